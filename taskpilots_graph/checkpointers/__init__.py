@@ -1,0 +1,195 @@
+"""Recovery checkpointers: LangGraph's own savers plus the recovery store, in one database.
+
+``RecoveryCheckpointer`` (sync, this module) and ``AsyncRecoveryCheckpointer`` (:mod:`.aio`)
+wrap ``InMemorySaver``, ``SqliteSaver`` / ``AsyncSqliteSaver`` or ``PostgresSaver`` /
+``AsyncPostgresSaver`` by composition. The graph state is stored by the LangGraph saver,
+unchanged; the event log lives in tables of its own in the same database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import closing, contextmanager
+from typing import Any, Self
+
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite import SqliteSaver
+
+from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
+from taskpilots_graph.checkpointers.base import (
+    DEFAULT_POOL_SIZE,
+    SQLITE_BUSY_TIMEOUT_S,
+    RecoveryStore,
+    parse_conn_string,
+    prepare_event,
+    sqlite_path,
+)
+from taskpilots_graph.checkpointers.memory import MemoryStore
+from taskpilots_graph.checkpointers.sqlite import SqliteStore
+from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.events import Event, EventKind
+
+__all__ = ["AsyncRecoveryCheckpointer", "RecoveryCheckpointer"]
+
+
+def _store_for(inner: BaseCheckpointSaver[Any]) -> RecoveryStore:
+    if isinstance(inner, InMemorySaver):
+        return MemoryStore()
+    if isinstance(inner, SqliteSaver):
+        return SqliteStore(inner.conn, inner.lock)
+    if type(inner).__module__.startswith("langgraph.checkpoint.postgres"):
+        from langgraph.checkpoint.postgres import PostgresSaver
+
+        from taskpilots_graph.checkpointers.postgres import PostgresStore
+
+        if isinstance(inner, PostgresSaver):
+            return PostgresStore(inner.conn, inner.lock)
+    raise ConfigurationError(
+        f"no recovery store is known for {type(inner).__name__}; wrap InMemorySaver, "
+        "SqliteSaver or PostgresSaver, use AsyncRecoveryCheckpointer for async savers, "
+        "or pass store=... explicitly"
+    )
+
+
+class RecoveryCheckpointer(DelegatingSaver):
+    """Synchronous LangGraph checkpointer with a durable event log beside the checkpoints.
+
+    A graph compiled with it behaves exactly like one compiled with the wrapped saver: every
+    ``BaseCheckpointSaver`` method is forwarded. It adds :meth:`append_event` and
+    :meth:`events`, and :meth:`delete_thread` also removes the thread's recovery data.
+
+    Example:
+        >>> import taskpilots_graph as tp
+        >>> with tp.RecoveryCheckpointer.from_conn_string(":memory:") as cp:
+        ...     cp.setup()
+        ...     event = cp.append_event("t-1", "agent_started", {"goal": "close tickets"})
+        ...     [e.kind.value for e in cp.events("t-1")]
+        ['agent_started']
+
+    Args:
+        inner: The LangGraph saver that stores graph state.
+        store: The recovery store; derived from ``inner`` when omitted.
+    """
+
+    store: RecoveryStore
+
+    def __init__(
+        self, inner: BaseCheckpointSaver[Any], *, store: RecoveryStore | None = None
+    ) -> None:
+        super().__init__(inner)
+        self.store = store if store is not None else _store_for(inner)
+
+    @classmethod
+    @contextmanager
+    def from_conn_string(
+        cls, conn_string: str, *, pool_size: int = DEFAULT_POOL_SIZE
+    ) -> Iterator[Self]:
+        """Open a checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
+
+        Args:
+            conn_string: ``":memory:"``, ``"sqlite:///path/runs.db"`` (or a plain path), or
+                ``"postgresql://user@host:port/db"``.
+            pool_size: Maximum connections of the PostgreSQL pool shared by the saver and
+                the recovery store.
+
+        Yields:
+            A ready checkpointer; call :meth:`setup` once per database (SQLite and memory
+            also set themselves up lazily).
+        """
+        target = parse_conn_string(conn_string)
+        if target.backend == "memory":
+            yield cls(InMemorySaver())
+        elif target.backend == "sqlite":
+            conn = sqlite3.connect(
+                sqlite_path(target.address),
+                check_same_thread=False,
+                timeout=SQLITE_BUSY_TIMEOUT_S,
+            )
+            with closing(conn):
+                yield cls(SqliteSaver(conn))
+        else:
+            from langgraph.checkpoint.postgres import PostgresSaver
+
+            from taskpilots_graph.checkpointers._pg_connect import open_pool
+
+            with open_pool(target.address, pool_size) as pool:
+                yield cls(PostgresSaver(pool))
+
+    def setup(self) -> None:
+        """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""
+        inner_setup: Callable[[], None] | None = getattr(self.inner, "setup", None)
+        if isinstance(self.inner, SqliteSaver):
+            with self.inner.cursor():  # runs SqliteSaver.setup() under its lock
+                inner_setup = None
+        self.store.setup(inner_setup)
+
+    # -- recovery data ----------------------------------------------------------------------
+
+    def append_event(
+        self,
+        thread_id: str,
+        kind: EventKind | str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        checkpoint_ns: str = "",
+    ) -> Event:
+        """Append an event to the thread's log; it is durable when this returns.
+
+        Raises:
+            ConfigurationError: For an unknown kind or a payload that is not a JSON object
+                of at most :data:`~taskpilots_graph.events.MAX_PAYLOAD_BYTES`.
+        """
+        record = prepare_event(
+            thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
+        )
+        return self.store.append_event(record)
+
+    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """The thread's events in order (``seq > after_seq``).
+
+        Raises:
+            CorruptRecordError: If a stored event cannot be decoded.
+        """
+        return self.store.events(thread_id, after_seq=after_seq)
+
+    async def aappend_event(
+        self,
+        thread_id: str,
+        kind: EventKind | str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        checkpoint_ns: str = "",
+    ) -> Event:
+        """Async form of :meth:`append_event` (runs in a worker thread)."""
+        return await asyncio.to_thread(
+            self.append_event,
+            thread_id,
+            kind,
+            payload,
+            checkpoint_id=checkpoint_id,
+            checkpoint_ns=checkpoint_ns,
+        )
+
+    async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """Async form of :meth:`events` (runs in a worker thread)."""
+        return await asyncio.to_thread(self.events, thread_id, after_seq=after_seq)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete the thread's checkpoints, writes and recovery data."""
+        # Checkpoints go first: a crash in between leaves an orphan log, never a thread
+        # that could resume without the record of what it already did.
+        self.inner.delete_thread(thread_id)
+        self.store.delete_thread(thread_id)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Async form of :meth:`delete_thread`."""
+        await self.inner.adelete_thread(thread_id)
+        await asyncio.to_thread(self.store.delete_thread, thread_id)
+
+
+from taskpilots_graph.checkpointers.aio import AsyncRecoveryCheckpointer  # noqa: E402

@@ -1,0 +1,184 @@
+"""``AsyncRecoveryCheckpointer``: the async twin of :class:`RecoveryCheckpointer`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Self, TypeVar
+
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
+from taskpilots_graph.checkpointers.base import (
+    DEFAULT_POOL_SIZE,
+    SQLITE_BUSY_TIMEOUT_S,
+    AsyncRecoveryStore,
+    parse_conn_string,
+    prepare_event,
+    sqlite_path,
+)
+from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
+from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
+from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.events import Event, EventKind
+
+__all__ = ["AsyncRecoveryCheckpointer"]
+
+T = TypeVar("T")
+
+
+def _async_store_for(inner: BaseCheckpointSaver[Any]) -> AsyncRecoveryStore:
+    if isinstance(inner, InMemorySaver):
+        return AsyncMemoryStore()
+    if isinstance(inner, AsyncSqliteSaver):
+        return AsyncSqliteStore(inner.conn, inner.lock)
+    if type(inner).__module__.startswith("langgraph.checkpoint.postgres"):
+        from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+        from taskpilots_graph.checkpointers.postgres import AsyncPostgresStore
+
+        if isinstance(inner, AsyncPostgresSaver):
+            return AsyncPostgresStore(inner.conn, inner.lock)
+    raise ConfigurationError(
+        f"no async recovery store is known for {type(inner).__name__}; wrap InMemorySaver, "
+        "AsyncSqliteSaver or AsyncPostgresSaver, use RecoveryCheckpointer for sync savers, "
+        "or pass store=... explicitly"
+    )
+
+
+class AsyncRecoveryCheckpointer(DelegatingSaver):
+    """Asynchronous LangGraph checkpointer with a durable event log beside the checkpoints.
+
+    Create it inside a running event loop. Its sync methods (used by ``graph.invoke``) are
+    forwarded to the inner saver, which runs them on that loop, and must therefore be called
+    from another thread, exactly as with LangGraph's ``AsyncSqliteSaver``.
+
+    Example:
+        >>> import asyncio, taskpilots_graph as tp
+        >>> async def main() -> list[str]:
+        ...     async with tp.AsyncRecoveryCheckpointer.from_conn_string(":memory:") as cp:
+        ...         await cp.setup()
+        ...         await cp.aappend_event("t-1", "agent_started", {"goal": "triage"})
+        ...         return [e.kind.value for e in await cp.aevents("t-1")]
+        >>> asyncio.run(main())
+        ['agent_started']
+
+    Args:
+        inner: The LangGraph async saver that stores graph state.
+        store: The async recovery store; derived from ``inner`` when omitted.
+    """
+
+    store: AsyncRecoveryStore
+    loop: asyncio.AbstractEventLoop
+
+    def __init__(
+        self, inner: BaseCheckpointSaver[Any], *, store: AsyncRecoveryStore | None = None
+    ) -> None:
+        super().__init__(inner)
+        self.store = store if store is not None else _async_store_for(inner)
+        self.loop = asyncio.get_running_loop()
+
+    @classmethod
+    @asynccontextmanager
+    async def from_conn_string(
+        cls, conn_string: str, *, pool_size: int = DEFAULT_POOL_SIZE
+    ) -> AsyncIterator[Self]:
+        """Open an async checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
+
+        Args:
+            conn_string: ``":memory:"``, ``"sqlite:///path/runs.db"`` (or a plain path), or
+                ``"postgresql://user@host:port/db"``.
+            pool_size: Maximum connections of the PostgreSQL pool.
+
+        Yields:
+            A ready checkpointer; await :meth:`setup` once per database.
+        """
+        target = parse_conn_string(conn_string)
+        if target.backend == "memory":
+            yield cls(InMemorySaver())
+        elif target.backend == "sqlite":
+            import aiosqlite
+
+            async with aiosqlite.connect(
+                sqlite_path(target.address), timeout=SQLITE_BUSY_TIMEOUT_S
+            ) as conn:
+                yield cls(AsyncSqliteSaver(conn))
+        else:
+            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+            from taskpilots_graph.checkpointers._pg_connect import open_async_pool
+
+            async with open_async_pool(target.address, pool_size) as pool:
+                yield cls(AsyncPostgresSaver(pool))
+
+    async def setup(self) -> None:
+        """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""
+        inner_setup: Callable[[], Awaitable[None]] | None = getattr(self.inner, "setup", None)
+        await self.store.setup(inner_setup)
+
+    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the checkpointer's loop from a worker thread."""
+        try:
+            if asyncio.get_running_loop() is self.loop:
+                coro.close()
+                raise asyncio.InvalidStateError(
+                    "synchronous calls to AsyncRecoveryCheckpointer are only allowed from a "
+                    "different thread; from the event loop use the a-prefixed method"
+                )
+        except RuntimeError:
+            pass  # no loop in this thread: the normal case for sync callers
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    # -- recovery data ----------------------------------------------------------------------
+
+    async def aappend_event(
+        self,
+        thread_id: str,
+        kind: EventKind | str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        checkpoint_ns: str = "",
+    ) -> Event:
+        """Append an event to the thread's log; it is durable when this returns."""
+        record = prepare_event(
+            thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
+        )
+        return await self.store.append_event(record)
+
+    async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """The thread's events in order (``seq > after_seq``)."""
+        return await self.store.events(thread_id, after_seq=after_seq)
+
+    def append_event(
+        self,
+        thread_id: str,
+        kind: EventKind | str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        checkpoint_id: str | None = None,
+        checkpoint_ns: str = "",
+    ) -> Event:
+        """Sync form of :meth:`aappend_event`, for calls from other threads."""
+        return self._sync(
+            self.aappend_event(
+                thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
+            )
+        )
+
+    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """Sync form of :meth:`aevents`, for calls from other threads."""
+        return self._sync(self.aevents(thread_id, after_seq=after_seq))
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Delete the thread's checkpoints, writes and recovery data."""
+        # Checkpoints first: see RecoveryCheckpointer.delete_thread.
+        await self.inner.adelete_thread(thread_id)
+        await self.store.delete_thread(thread_id)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Sync form of :meth:`adelete_thread`, for calls from other threads."""
+        self._sync(self.adelete_thread(thread_id))

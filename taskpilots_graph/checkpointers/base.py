@@ -1,0 +1,210 @@
+"""Pieces shared by the sync and async recovery checkpointers (I/O free).
+
+A recovery checkpointer is two things behind one object: a LangGraph saver that keeps the
+graph state (used unchanged) and a *recovery store* that keeps the event log (and, later, the
+ledger, leases and artifacts) in the same database. This module defines the store protocols,
+the parsing of connection strings and the row handling that every backend shares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from langgraph.checkpoint.base import BaseCheckpointSaver
+
+from taskpilots_graph.errors import ConfigurationError, UnsupportedOperation
+from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
+
+__all__ = [
+    "DEFAULT_POOL_SIZE",
+    "SQLITE_BUSY_TIMEOUT_S",
+    "AsyncRecoveryStore",
+    "ConnTarget",
+    "EventRecord",
+    "RecoveryStore",
+    "parse_conn_string",
+    "prepare_event",
+    "require_override",
+    "rows_to_events",
+    "sqlite_path",
+]
+
+Backend = Literal["memory", "sqlite", "postgres"]
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+"""How long a SQLite writer waits for another process's write before failing."""
+
+DEFAULT_POOL_SIZE = 8
+"""Connections in the PostgreSQL pool that the saver and the recovery store share."""
+
+
+def sqlite_path(address: str) -> str:
+    """Create the parent folder of a SQLite file, so ``.taskpilots/runs.db`` just works."""
+    if address != ":memory:" and not address.startswith("file:"):
+        Path(address).parent.mkdir(parents=True, exist_ok=True)
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class ConnTarget:
+    """Where a connection string points: the backend and its native address."""
+
+    backend: Backend
+    address: str
+
+
+def parse_conn_string(conn_string: str) -> ConnTarget:
+    """Resolve a connection string to a backend.
+
+    Accepted forms: ``":memory:"`` (LangGraph's in-memory saver), ``"sqlite:///path.db"``,
+    ``"sqlite:///:memory:"``, a plain file path, and ``"postgresql://..."`` /
+    ``"postgres://..."``.
+
+    Raises:
+        ConfigurationError: For an empty string or an unknown URL scheme.
+    """
+    if not isinstance(conn_string, str) or not conn_string.strip():
+        raise ConfigurationError(
+            "connection string is empty; use ':memory:', 'sqlite:///path/runs.db' "
+            "or 'postgresql://user@host/db'"
+        )
+    if conn_string == ":memory:":
+        return ConnTarget("memory", conn_string)
+    if conn_string.startswith(("postgresql://", "postgres://")):
+        return ConnTarget("postgres", conn_string)
+    if conn_string.startswith("sqlite://"):
+        path = conn_string.removeprefix("sqlite://")
+        # sqlite:///rel.db -> "rel.db", sqlite:////abs.db -> "/abs.db" (SQLAlchemy's rule).
+        path = path.removeprefix("/")
+        if not path:
+            raise ConfigurationError(
+                f"{conn_string!r} names no file; use 'sqlite:///runs.db' or 'sqlite:///:memory:'"
+            )
+        return ConnTarget("sqlite", path)
+    scheme, sep, _ = conn_string.partition("://")
+    if sep:
+        raise ConfigurationError(
+            f"unsupported connection string scheme {scheme!r}; use ':memory:', "
+            "'sqlite:///path' or 'postgresql://...'"
+        )
+    return ConnTarget("sqlite", conn_string)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """An event validated and encoded, ready for a store to insert."""
+
+    thread_id: str
+    kind: EventKind
+    ts: float
+    checkpoint_ns: str
+    checkpoint_id: str | None
+    payload: str
+
+    def to_event(self, seq: int) -> Event:
+        """The :class:`Event` this record becomes once stored at ``seq``."""
+        return event_from_row(
+            thread_id=self.thread_id,
+            seq=seq,
+            kind=self.kind,
+            ts=self.ts,
+            payload=self.payload,
+            checkpoint_id=self.checkpoint_id,
+            checkpoint_ns=self.checkpoint_ns,
+        )
+
+
+def prepare_event(
+    thread_id: str,
+    kind: EventKind | str,
+    payload: Mapping[str, Any] | None,
+    *,
+    checkpoint_id: str | None,
+    checkpoint_ns: str,
+) -> EventRecord:
+    """Validate an event before anything is written.
+
+    Raises:
+        ConfigurationError: For an empty thread id, an unknown kind or a payload that is
+            not JSON-serialisable or too large.
+    """
+    if not isinstance(thread_id, str) or not thread_id:
+        raise ConfigurationError("thread_id must be a non-empty string")
+    try:
+        event_kind = EventKind(kind)
+    except ValueError as exc:
+        known = ", ".join(k.value for k in EventKind)
+        raise ConfigurationError(f"unknown event kind {kind!r}; known kinds: {known}") from exc
+    return EventRecord(
+        thread_id=thread_id,
+        kind=event_kind,
+        ts=time.time(),
+        checkpoint_ns=checkpoint_ns,
+        checkpoint_id=checkpoint_id,
+        payload=encode_payload(payload),
+    )
+
+
+def rows_to_events(rows: Iterable[Sequence[Any]]) -> list[Event]:
+    """Decode rows selected in the column order of ``SELECT_EVENTS``."""
+    return [
+        event_from_row(
+            thread_id=row[0],
+            seq=row[1],
+            kind=row[2],
+            ts=row[3],
+            checkpoint_ns=row[4],
+            checkpoint_id=row[5],
+            payload=row[6],
+        )
+        for row in rows
+    ]
+
+
+class RecoveryStore(Protocol):
+    """Synchronous storage of the recovery data that lives beside the checkpoints."""
+
+    def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
+        """Run the saver's ``inner_setup``, then create or migrate the store's tables.
+
+        Idempotent, and safe when several processes call it at once.
+        """
+
+    def append_event(self, record: EventRecord) -> Event:
+        """Append one event; durable when it returns."""
+
+    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """The thread's events with ``seq > after_seq``, in order."""
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Remove everything stored for the thread."""
+
+
+class AsyncRecoveryStore(Protocol):
+    """Asynchronous twin of :class:`RecoveryStore`."""
+
+    async def setup(self, inner_setup: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Async twin of :meth:`RecoveryStore.setup`."""
+
+    async def append_event(self, record: EventRecord) -> Event:
+        """Append one event; durable when it returns."""
+
+    async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        """The thread's events with ``seq > after_seq``, in order."""
+
+    async def delete_thread(self, thread_id: str) -> None:
+        """Remove everything stored for the thread."""
+
+
+def require_override(saver: BaseCheckpointSaver[Any], method: str) -> None:
+    """Raise :class:`UnsupportedOperation` if ``saver`` inherits ``method`` from the base.
+
+    LangGraph's base class raises a bare ``NotImplementedError`` for optional operations;
+    naming the backend tells the user which storage to switch to.
+    """
+    if getattr(type(saver), method) is getattr(BaseCheckpointSaver, method):
+        raise UnsupportedOperation(method, type(saver).__name__)

@@ -1,0 +1,242 @@
+"""Recovery store in the same PostgreSQL database as LangGraph's ``PostgresSaver``.
+
+The store uses the saver's connection pool (or its single connection, under the saver's own
+lock), so writing an event never opens a connection of its own. Every write commits before
+the call returns: an external action may follow it, so ``synchronous_commit=off`` is refused
+at the statement level by setting it back to ``on`` in the transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Final
+
+from psycopg import AsyncConnection, Connection, errors
+from psycopg.rows import tuple_row
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
+from taskpilots_graph.errors import ConfigurationError, MigrationError, StorageError
+from taskpilots_graph.events import Event
+
+__all__ = ["AsyncPostgresStore", "PostgresStore"]
+
+_D: Final = "postgres"
+_SETUP_TIMEOUT_S = 60.0
+_DURABLE = "SET LOCAL synchronous_commit = on"
+
+
+def _pending(current: int) -> list[tuple[int, str]]:
+    if current > sql.SCHEMA_VERSION:
+        raise MigrationError(
+            f"the database schema is at version {current}, newer than this library's "
+            f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
+        )
+    return [(v, sql.MIGRATIONS[_D][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
+
+
+def _append_params(record: EventRecord) -> dict[str, Any]:
+    return {
+        "thread_id": record.thread_id,
+        "kind": record.kind.value,
+        "ts": record.ts,
+        "checkpoint_ns": record.checkpoint_ns,
+        "checkpoint_id": record.checkpoint_id,
+        "payload": record.payload,
+    }
+
+
+_TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
+_UNLOCK = "SELECT pg_advisory_unlock(%s)"
+
+
+def _require_autocommit(autocommit: bool) -> None:
+    if not autocommit:
+        raise ConfigurationError(
+            "PostgreSQL connections must be opened with autocommit=True, as LangGraph's "
+            "PostgresSaver requires; use RecoveryCheckpointer.from_conn_string(url) or pass "
+            "kwargs={'autocommit': True, 'prepare_threshold': 0, 'row_factory': dict_row}"
+        )
+
+
+def _check_deadline(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise MigrationError(
+            f"another process held the setup lock for over {_SETUP_TIMEOUT_S:.0f} s"
+        )
+
+
+def _missing_tables(exc: errors.UndefinedTable) -> StorageError:
+    return StorageError(
+        "the taskpilots tables do not exist in this database; call checkpointer.setup() "
+        f"once before use ({exc.diag.message_primary})"
+    )
+
+
+class PostgresStore:
+    """Synchronous recovery store on a psycopg ``ConnectionPool`` or ``Connection``."""
+
+    def __init__(self, conn: Connection[Any] | ConnectionPool[Any], lock: threading.Lock) -> None:
+        self.conn = conn
+        # Only used for a single shared connection: the saver serialises on the same lock.
+        self.lock = lock
+
+    @contextmanager
+    def _connection(self) -> Iterator[Connection[Any]]:
+        if isinstance(self.conn, ConnectionPool):
+            with self.conn.connection() as conn:
+                yield conn
+        else:
+            with self.lock:
+                yield self.conn
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Any]:
+        try:
+            with (
+                self._connection() as conn,
+                conn.transaction(),
+                conn.cursor(row_factory=tuple_row) as cur,
+            ):
+                cur.execute(_DURABLE)
+                yield cur
+        except errors.UndefinedTable as exc:
+            raise _missing_tables(exc) from exc
+
+    def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
+        """Run ``inner_setup`` (the saver's own) and the store's migrations, one process at once.
+
+        A session-level advisory lock is *polled* rather than waited for: the saver's setup
+        builds indexes ``CONCURRENTLY``, which waits for every open transaction, and a session
+        blocked inside ``pg_advisory_lock`` holds one: the two would wait on each other.
+        """
+        deadline = time.monotonic() + _SETUP_TIMEOUT_S
+        with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+            _require_autocommit(conn.autocommit)
+            while not cur.execute(_TRY_LOCK, (sql.SETUP_LOCK_KEY,)).fetchone()[0]:  # type: ignore[index]
+                _check_deadline(deadline)
+                time.sleep(0.05)
+            try:
+                if inner_setup is not None:
+                    self._unlocked(inner_setup)
+                with conn.transaction():
+                    cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
+                    for version, script in _pending(cur.execute(sql.SELECT_VERSION).fetchone()[0]):  # type: ignore[index]
+                        cur.execute(script)
+                        cur.execute(sql.INSERT_VERSION[_D], (version,))
+            finally:
+                cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
+
+    def _unlocked(self, fn: Callable[[], None]) -> None:
+        # With a single shared connection the saver takes ``self.lock`` itself.
+        if isinstance(self.conn, ConnectionPool):
+            fn()
+        else:
+            self.lock.release()
+            try:
+                fn()
+            finally:
+                self.lock.acquire()
+
+    def append_event(self, record: EventRecord) -> Event:
+        with self._transaction() as cur:
+            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()
+        return record.to_event(seq)
+
+    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        with self._transaction() as cur:
+            rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
+        return rows_to_events(rows)
+
+    def delete_thread(self, thread_id: str) -> None:
+        with self._transaction() as cur:
+            for statement in sql.DELETE_THREAD[_D]:
+                cur.execute(statement, (thread_id,))
+
+
+class AsyncPostgresStore:
+    """Asynchronous recovery store on a psycopg ``AsyncConnectionPool`` or ``AsyncConnection``.
+
+    Over a pool, calls run concurrently on separate connections; no per-instance lock
+    funnels them (the bottleneck of ``AsyncPostgresSaver``, LangGraph #7259).
+    """
+
+    def __init__(
+        self, conn: AsyncConnection[Any] | AsyncConnectionPool[Any], lock: asyncio.Lock
+    ) -> None:
+        self.conn = conn
+        self.lock = lock
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:
+        if isinstance(self.conn, AsyncConnectionPool):
+            async with self.conn.connection() as conn:
+                yield conn
+        else:
+            async with self.lock:
+                yield self.conn
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Any]:
+        try:
+            async with (
+                self._connection() as conn,
+                conn.transaction(),
+                conn.cursor(row_factory=tuple_row) as cur,
+            ):
+                await cur.execute(_DURABLE)
+                yield cur
+        except errors.UndefinedTable as exc:
+            raise _missing_tables(exc) from exc
+
+    async def setup(self, inner_setup: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Async twin of :meth:`PostgresStore.setup`."""
+        deadline = time.monotonic() + _SETUP_TIMEOUT_S
+        async with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+            _require_autocommit(conn.autocommit)
+            while not (await (await cur.execute(_TRY_LOCK, (sql.SETUP_LOCK_KEY,))).fetchone())[0]:  # type: ignore[index]
+                _check_deadline(deadline)
+                await asyncio.sleep(0.05)
+            try:
+                if inner_setup is not None:
+                    await self._unlocked(inner_setup)
+                async with conn.transaction():
+                    await cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
+                    (current,) = await (await cur.execute(sql.SELECT_VERSION)).fetchone()  # type: ignore[misc]
+                    for version, script in _pending(current):
+                        await cur.execute(script)
+                        await cur.execute(sql.INSERT_VERSION[_D], (version,))
+            finally:
+                await cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
+
+    async def _unlocked(self, fn: Callable[[], Awaitable[None]]) -> None:
+        if isinstance(self.conn, AsyncConnectionPool):
+            await fn()
+        else:
+            self.lock.release()
+            try:
+                await fn()
+            finally:
+                await self.lock.acquire()
+
+    async def append_event(self, record: EventRecord) -> Event:
+        async with self._transaction() as cur:
+            await cur.execute(sql.APPEND_EVENT[_D], _append_params(record))
+            (seq,) = await cur.fetchone()
+        return record.to_event(seq)
+
+    async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+        async with self._transaction() as cur:
+            await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq))
+            rows = await cur.fetchall()
+        return rows_to_events(rows)
+
+    async def delete_thread(self, thread_id: str) -> None:
+        async with self._transaction() as cur:
+            for statement in sql.DELETE_THREAD[_D]:
+                await cur.execute(statement, (thread_id,))

@@ -1,0 +1,92 @@
+"""The one exception tree of taskpilots-graph.
+
+Every error the library raises on purpose derives from :class:`TaskPilotsError`, so callers
+can catch the whole family at once and still tell the cases apart by type::
+
+    TaskPilotsError
+    ├── ConfigurationError          a policy, connection string or setup mistake
+    ├── StorageError                the recovery store cannot do what was asked
+    │   ├── CorruptRecordError      a stored row cannot be decoded (never "not found")
+    │   ├── MigrationError          the schema is newer than this library, or half-applied
+    │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
+    └── ThreadNotFound              no checkpoint exists for the thread id
+
+Errors carry their facts as attributes (not only in the message) and pickle cleanly, so they
+survive crossing a process boundary (workers, subprocess drills). LangGraph control flow
+(``GraphBubbleUp`` and interrupts) is never wrapped into one of these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConfigurationError",
+    "CorruptRecordError",
+    "MigrationError",
+    "StorageError",
+    "TaskPilotsError",
+    "ThreadNotFound",
+    "UnsupportedOperation",
+]
+
+
+class TaskPilotsError(Exception):
+    """Base class of every error raised by taskpilots-graph."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only constructors do not round-trip through the default pickling of
+        # ``Exception`` (which replays ``args`` positionally); rebuild from ``__dict__``.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[TaskPilotsError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+class ConfigurationError(TaskPilotsError, ValueError):
+    """A setting, policy or connection string is invalid; the message says how to fix it."""
+
+
+class StorageError(TaskPilotsError):
+    """The recovery store could not complete an operation."""
+
+
+class CorruptRecordError(StorageError):
+    """A stored record exists but cannot be decoded.
+
+    Raised instead of returning "nothing found": silently treating corrupt data as absent
+    would make a run start over and repeat its side effects.
+    """
+
+    def __init__(self, message: str, *, table: str, key: str) -> None:
+        super().__init__(f"{message} (table={table!r}, key={key!r})")
+        self.table = table
+        self.key = key
+
+
+class MigrationError(StorageError):
+    """The database schema cannot be brought to the version this library needs."""
+
+
+class UnsupportedOperation(StorageError, NotImplementedError):
+    """The wrapped LangGraph saver does not implement the requested operation."""
+
+    def __init__(self, operation: str, backend: str) -> None:
+        super().__init__(
+            f"{operation}() is not supported by the {backend} backend "
+            f"(LangGraph's {backend} does not implement it)"
+        )
+        self.operation = operation
+        self.backend = backend
+
+
+class ThreadNotFound(TaskPilotsError, LookupError):
+    """No checkpoint exists for the given thread id."""
+
+    def __init__(self, thread_id: str) -> None:
+        super().__init__(f"no checkpoint exists for thread_id={thread_id!r}")
+        self.thread_id = thread_id

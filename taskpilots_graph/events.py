@@ -1,0 +1,176 @@
+"""Typed, append-only event log records.
+
+Every task keeps one ordered log of what happened while it ran: what the agent planned, which
+tool it called with which arguments, what came back, which failures happened and how they were
+recovered. Events are written *as execution happens* (before a tool call and after it), never
+reconstructed after the fact, so a crash leaves an honest trail.
+
+This module is I/O free: it defines the record types and their JSON encoding. Storage lives
+in :mod:`taskpilots_graph.checkpointers`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from taskpilots_graph.errors import ConfigurationError, CorruptRecordError
+
+__all__ = ["MAX_PAYLOAD_BYTES", "Event", "EventKind", "encode_payload", "event_from_row"]
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+"""Upper bound on one event's encoded payload; large results belong in the artifact store."""
+
+
+class EventKind(StrEnum):
+    """What an event records. The first eight are the lifecycle of a task."""
+
+    AGENT_STARTED = "agent_started"
+    PLAN_CREATED = "plan_created"
+    TOOL_INVOKED = "tool_invoked"
+    TOOL_SUCCEEDED = "tool_succeeded"
+    TOOL_FAILED = "tool_failed"
+    LLM_DECIDED = "llm_decided"
+    STEP_COMPLETED = "step_completed"
+    AGENT_FINISHED = "agent_finished"
+    # Recovery events.
+    RUN_RESUMED = "run_resumed"
+    TOOL_SKIPPED = "tool_skipped"
+    EFFECT_RECONCILED = "effect_reconciled"
+    EFFECT_UNCERTAIN = "effect_uncertain"
+    RETRY_SCHEDULED = "retry_scheduled"
+    DEGRADED = "degraded"
+    TAKEOVER_REQUESTED = "takeover_requested"
+    DECISION_RECORDED = "decision_recorded"
+    COMPENSATED = "compensated"
+    MILESTONE_REACHED = "milestone_reached"
+    STUCK_DETECTED = "stuck_detected"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of a thread's event log.
+
+    Attributes:
+        thread_id: The LangGraph thread the event belongs to.
+        seq: Position in the thread's log, starting at 1, without gaps.
+        kind: What happened.
+        ts: When it was appended (UTC).
+        payload: JSON data of the event (read-only).
+        checkpoint_id: The checkpoint the run was at, when known.
+        checkpoint_ns: The checkpoint namespace ("" for the root graph).
+    """
+
+    thread_id: str
+    seq: int
+    kind: EventKind
+    ts: datetime
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint_id: str | None = None
+    checkpoint_ns: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.payload, MappingProxyType):
+            object.__setattr__(self, "payload", MappingProxyType(dict(self.payload)))
+
+
+def encode_payload(payload: Mapping[str, Any] | None) -> str:
+    """Encode an event payload as canonical JSON.
+
+    Raises:
+        ConfigurationError: If the payload is not JSON-serialisable (including NaN and
+            infinities) or exceeds :data:`MAX_PAYLOAD_BYTES` once encoded.
+    """
+    try:
+        text = json.dumps(
+            dict(payload or {}),
+            ensure_ascii=False,
+            sort_keys=True,
+            separators=(",", ":"),
+            allow_nan=False,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"event payload must be JSON-serialisable: {exc}; convert values to str, "
+            "numbers, lists or dicts, or store large data as an artifact"
+        ) from exc
+    if len(text.encode()) > MAX_PAYLOAD_BYTES:
+        raise ConfigurationError(
+            f"event payload is {len(text.encode())} bytes, over the {MAX_PAYLOAD_BYTES} byte "
+            "limit; store the raw data as an artifact and log its id instead"
+        )
+    return text
+
+
+def event_from_row(
+    *,
+    thread_id: str,
+    seq: int,
+    kind: Any,
+    ts: Any,
+    payload: Any,
+    checkpoint_id: str | None,
+    checkpoint_ns: str | None,
+) -> Event:
+    """Rebuild an :class:`Event` from a stored row.
+
+    Raises:
+        CorruptRecordError: If the kind is unknown, the timestamp is not a time, or the
+            payload is not a JSON object. Corrupt rows are never skipped.
+    """
+    key = f"{thread_id}#{seq}"
+    try:
+        event_kind = EventKind(kind)
+    except ValueError as exc:
+        raise CorruptRecordError(f"unknown event kind {kind!r}", table=_TABLE, key=key) from exc
+    return Event(
+        thread_id=thread_id,
+        seq=seq,
+        kind=event_kind,
+        ts=_decode_ts(ts, key),
+        payload=_decode_payload(payload, key),
+        checkpoint_id=checkpoint_id,
+        checkpoint_ns=checkpoint_ns or "",
+    )
+
+
+_TABLE = "taskpilots_events"
+
+
+def _decode_payload(raw: Any, key: str) -> dict[str, Any]:
+    if isinstance(raw, Mapping):  # PostgreSQL JSONB arrives decoded.
+        return dict(raw)
+    if isinstance(raw, str | bytes):
+        try:
+            value = json.loads(raw, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise CorruptRecordError(
+                f"event payload is not valid JSON: {exc}", table=_TABLE, key=key
+            ) from exc
+    else:
+        value = raw
+    if not isinstance(value, dict):
+        raise CorruptRecordError(
+            f"event payload must be a JSON object, found {type(value).__name__}",
+            table=_TABLE,
+            key=key,
+        )
+    return value
+
+
+def _decode_ts(raw: Any, key: str) -> datetime:
+    if isinstance(raw, datetime):
+        return raw if raw.tzinfo else raw.replace(tzinfo=UTC)
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw):
+        return datetime.fromtimestamp(raw, UTC)
+    raise CorruptRecordError(f"event timestamp {raw!r} is not a time", table=_TABLE, key=key)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
