@@ -7,6 +7,7 @@ can catch the whole family at once and still tell the cases apart by type::
     ├── ConfigurationError          a policy, connection string or setup mistake
     ├── StorageError                the recovery store cannot do what was asked
     │   ├── CorruptRecordError      a stored row cannot be decoded (never "not found")
+    │   ├── LedgerConflict          another run moved the same ledger entry first
     │   ├── MigrationError          the schema is newer than this library, or half-applied
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
     └── ThreadNotFound              no checkpoint exists for the thread id
@@ -23,6 +24,7 @@ from typing import Any
 __all__ = [
     "ConfigurationError",
     "CorruptRecordError",
+    "LedgerConflict",
     "MigrationError",
     "StorageError",
     "TaskPilotsError",
@@ -65,6 +67,21 @@ class CorruptRecordError(StorageError):
     def __init__(self, message: str, *, table: str, key: str) -> None:
         super().__init__(f"{message} (table={table!r}, key={key!r})")
         self.table = table
+        self.key = key
+
+
+class LedgerConflict(StorageError):
+    """A ledger entry was changed by another run between our read and our write.
+
+    Two runs are executing the same side effect at once; the loser stops instead of
+    performing it a second time.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"ledger entry {key!r} was changed by another run at the same time; "
+            "the effect was not executed again"
+        )
         self.key = key
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from typing import Any, Self
 
@@ -18,19 +18,17 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
+from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     RecoveryStore,
     parse_conn_string,
-    prepare_event,
     sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.sqlite import SqliteStore
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import Event, EventKind
 
 __all__ = ["AsyncRecoveryCheckpointer", "RecoveryCheckpointer"]
 
@@ -54,12 +52,14 @@ def _store_for(inner: BaseCheckpointSaver[Any]) -> RecoveryStore:
     )
 
 
-class RecoveryCheckpointer(DelegatingSaver):
+class RecoveryCheckpointer(RecoveryAPI):
     """Synchronous LangGraph checkpointer with a durable event log beside the checkpoints.
 
     A graph compiled with it behaves exactly like one compiled with the wrapped saver: every
     ``BaseCheckpointSaver`` method is forwarded. It adds :meth:`append_event` and
-    :meth:`events`, and :meth:`delete_thread` also removes the thread's recovery data.
+    :meth:`events`, :meth:`ledger` and the other recovery methods of
+    :class:`~taskpilots_graph.checkpointers._api.RecoveryAPI`, and :meth:`delete_thread`
+    also removes the thread's recovery data.
 
     Example:
         >>> import taskpilots_graph as tp
@@ -126,70 +126,12 @@ class RecoveryCheckpointer(DelegatingSaver):
                 inner_setup = None
         self.store.setup(inner_setup)
 
-    # -- recovery data ----------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.store, method)(*args, **kwargs)
 
-    def append_event(
-        self,
-        thread_id: str,
-        kind: EventKind | str,
-        payload: Mapping[str, Any] | None = None,
-        *,
-        checkpoint_id: str | None = None,
-        checkpoint_ns: str = "",
-    ) -> Event:
-        """Append an event to the thread's log; it is durable when this returns.
-
-        Raises:
-            ConfigurationError: For an unknown kind or a payload that is not a JSON object
-                of at most :data:`~taskpilots_graph.events.MAX_PAYLOAD_BYTES`.
-        """
-        record = prepare_event(
-            thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
-        )
-        return self.store.append_event(record)
-
-    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        """The thread's events in order (``seq > after_seq``).
-
-        Raises:
-            CorruptRecordError: If a stored event cannot be decoded.
-        """
-        return self.store.events(thread_id, after_seq=after_seq)
-
-    async def aappend_event(
-        self,
-        thread_id: str,
-        kind: EventKind | str,
-        payload: Mapping[str, Any] | None = None,
-        *,
-        checkpoint_id: str | None = None,
-        checkpoint_ns: str = "",
-    ) -> Event:
-        """Async form of :meth:`append_event` (runs in a worker thread)."""
-        return await asyncio.to_thread(
-            self.append_event,
-            thread_id,
-            kind,
-            payload,
-            checkpoint_id=checkpoint_id,
-            checkpoint_ns=checkpoint_ns,
-        )
-
-    async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        """Async form of :meth:`events` (runs in a worker thread)."""
-        return await asyncio.to_thread(self.events, thread_id, after_seq=after_seq)
-
-    def delete_thread(self, thread_id: str) -> None:
-        """Delete the thread's checkpoints, writes and recovery data."""
-        # Checkpoints go first: a crash in between leaves an orphan log, never a thread
-        # that could resume without the record of what it already did.
-        self.inner.delete_thread(thread_id)
-        self.store.delete_thread(thread_id)
-
-    async def adelete_thread(self, thread_id: str) -> None:
-        """Async form of :meth:`delete_thread`."""
-        await self.inner.adelete_thread(thread_id)
-        await asyncio.to_thread(self.store.delete_thread, thread_id)
+    async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # The sync stores block on I/O: keep them off the event loop.
+        return await asyncio.to_thread(getattr(self.store, method), *args, **kwargs)
 
 
 from taskpilots_graph.checkpointers.aio import AsyncRecoveryCheckpointer  # noqa: E402

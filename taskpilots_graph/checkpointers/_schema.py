@@ -28,6 +28,35 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             PRIMARY KEY (thread_id, seq)
         ) WITHOUT ROWID;
         """,
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_ledger (
+            key TEXT PRIMARY KEY,
+            thread_id TEXT NOT NULL,
+            checkpoint_ns TEXT NOT NULL DEFAULT '',
+            tool TEXT NOT NULL,
+            tool_call_id TEXT,
+            status TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            args TEXT NOT NULL,
+            args_digest TEXT NOT NULL,
+            result TEXT,
+            proof TEXT,
+            error TEXT,
+            lock TEXT,
+            extra TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX IF NOT EXISTS taskpilots_ledger_thread ON taskpilots_ledger (thread_id);
+        CREATE TABLE IF NOT EXISTS taskpilots_decisions (
+            thread_id TEXT NOT NULL,
+            checkpoint_ns TEXT NOT NULL,
+            input_digest TEXT NOT NULL,
+            message TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (thread_id, checkpoint_ns, input_digest)
+        ) WITHOUT ROWID;
+        """,
     ),
     "postgres": (
         """
@@ -44,6 +73,35 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             checkpoint_id TEXT,
             payload JSONB NOT NULL,
             PRIMARY KEY (thread_id, seq)
+        );
+        """,
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_ledger (
+            key TEXT PRIMARY KEY,
+            thread_id TEXT NOT NULL,
+            checkpoint_ns TEXT NOT NULL DEFAULT '',
+            tool TEXT NOT NULL,
+            tool_call_id TEXT,
+            status TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            args TEXT NOT NULL,
+            args_digest TEXT NOT NULL,
+            result TEXT,
+            proof TEXT,
+            error TEXT,
+            lock TEXT,
+            extra TEXT NOT NULL DEFAULT '{}',
+            created_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX IF NOT EXISTS taskpilots_ledger_thread ON taskpilots_ledger (thread_id);
+        CREATE TABLE IF NOT EXISTS taskpilots_decisions (
+            thread_id TEXT NOT NULL,
+            checkpoint_ns TEXT NOT NULL,
+            input_digest TEXT NOT NULL,
+            message TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (thread_id, checkpoint_ns, input_digest)
         );
         """,
     ),
@@ -102,11 +160,66 @@ SELECT_EVENTS: Final[dict[Dialect, str]] = {
     """,
 }
 
+_LEDGER_COLUMNS = (
+    "key, thread_id, checkpoint_ns, tool, tool_call_id, status, attempt, args, args_digest, "
+    "result, proof, error, lock, extra, created_at, updated_at"
+)
+LEDGER_FIELDS: Final = tuple(c.strip() for c in _LEDGER_COLUMNS.split(","))
+
+
+def _placeholders(dialect: Dialect, names: tuple[str, ...]) -> str:
+    if dialect == "sqlite":
+        return ", ".join(f":{n}" for n in names)
+    return ", ".join(f"%({n})s" for n in names)
+
+
+def _param(dialect: Dialect, name: str) -> str:
+    return f":{name}" if dialect == "sqlite" else f"%({name})s"
+
+
+def _ledger_sql(dialect: Dialect) -> dict[str, str]:
+    def p(name: str) -> str:
+        return _param(dialect, name)
+
+    mutable = ("status", "attempt", "result", "proof", "error", "lock", "extra", "updated_at")
+    return {
+        # Insert only if no entry holds the key: the "intend" of a first execution.
+        "insert": f"INSERT INTO taskpilots_ledger ({_LEDGER_COLUMNS}) "
+        f"VALUES ({_placeholders(dialect, LEDGER_FIELDS)}) ON CONFLICT (key) DO NOTHING",
+        # Compare-and-set on (status, attempt): two runs can never both move one entry on.
+        "update": "UPDATE taskpilots_ledger SET "
+        + ", ".join(f"{c} = {p(c)}" for c in mutable)
+        + f" WHERE key = {p('key')} AND status = {p('expect_status')}"
+        f" AND attempt = {p('expect_attempt')}",
+        "get": f"SELECT {_LEDGER_COLUMNS} FROM taskpilots_ledger WHERE key = {p('key')}",
+        "by_thread": f"SELECT {_LEDGER_COLUMNS} FROM taskpilots_ledger "
+        f"WHERE thread_id = {p('thread_id')} ORDER BY created_at, key",
+        "all": f"SELECT {_LEDGER_COLUMNS} FROM taskpilots_ledger ORDER BY created_at, key",
+        "decision_get": "SELECT message FROM taskpilots_decisions WHERE "
+        f"thread_id = {p('thread_id')} AND checkpoint_ns = {p('checkpoint_ns')} "
+        f"AND input_digest = {p('input_digest')}",
+        "decision_put": "INSERT INTO taskpilots_decisions "
+        "(thread_id, checkpoint_ns, input_digest, message, created_at) VALUES ("
+        + _placeholders(
+            dialect, ("thread_id", "checkpoint_ns", "input_digest", "message", "created_at")
+        )
+        + ") ON CONFLICT (thread_id, checkpoint_ns, input_digest) DO NOTHING",
+    }
+
+
+LEDGER: Final[dict[Dialect, dict[str, str]]] = {d: _ledger_sql(d) for d in ("sqlite", "postgres")}
+
 # Statements that remove everything the recovery store holds for one thread.
 DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
-    "sqlite": ("DELETE FROM taskpilots_events WHERE thread_id = ?",),
+    "sqlite": (
+        "DELETE FROM taskpilots_events WHERE thread_id = ?",
+        "DELETE FROM taskpilots_ledger WHERE thread_id = ?",
+        "DELETE FROM taskpilots_decisions WHERE thread_id = ?",
+    ),
     "postgres": (
         "DELETE FROM taskpilots_events WHERE thread_id = %s",
         "DELETE FROM taskpilots_event_seq WHERE thread_id = %s",
+        "DELETE FROM taskpilots_ledger WHERE thread_id = %s",
+        "DELETE FROM taskpilots_decisions WHERE thread_id = %s",
     ),
 }

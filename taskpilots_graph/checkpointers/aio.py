@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar
 
@@ -11,19 +11,17 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
+from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     AsyncRecoveryStore,
     parse_conn_string,
-    prepare_event,
     sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
 from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import Event, EventKind
 
 __all__ = ["AsyncRecoveryCheckpointer"]
 
@@ -49,7 +47,7 @@ def _async_store_for(inner: BaseCheckpointSaver[Any]) -> AsyncRecoveryStore:
     )
 
 
-class AsyncRecoveryCheckpointer(DelegatingSaver):
+class AsyncRecoveryCheckpointer(RecoveryAPI):
     """Asynchronous LangGraph checkpointer with a durable event log beside the checkpoints.
 
     Create it inside a running event loop. Its sync methods (used by ``graph.invoke``) are
@@ -132,53 +130,8 @@ class AsyncRecoveryCheckpointer(DelegatingSaver):
             pass  # no loop in this thread: the normal case for sync callers
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    # -- recovery data ----------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._sync(getattr(self.store, method)(*args, **kwargs))
 
-    async def aappend_event(
-        self,
-        thread_id: str,
-        kind: EventKind | str,
-        payload: Mapping[str, Any] | None = None,
-        *,
-        checkpoint_id: str | None = None,
-        checkpoint_ns: str = "",
-    ) -> Event:
-        """Append an event to the thread's log; it is durable when this returns."""
-        record = prepare_event(
-            thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
-        )
-        return await self.store.append_event(record)
-
-    async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        """The thread's events in order (``seq > after_seq``)."""
-        return await self.store.events(thread_id, after_seq=after_seq)
-
-    def append_event(
-        self,
-        thread_id: str,
-        kind: EventKind | str,
-        payload: Mapping[str, Any] | None = None,
-        *,
-        checkpoint_id: str | None = None,
-        checkpoint_ns: str = "",
-    ) -> Event:
-        """Sync form of :meth:`aappend_event`, for calls from other threads."""
-        return self._sync(
-            self.aappend_event(
-                thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
-            )
-        )
-
-    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        """Sync form of :meth:`aevents`, for calls from other threads."""
-        return self._sync(self.aevents(thread_id, after_seq=after_seq))
-
-    async def adelete_thread(self, thread_id: str) -> None:
-        """Delete the thread's checkpoints, writes and recovery data."""
-        # Checkpoints first: see RecoveryCheckpointer.delete_thread.
-        await self.inner.adelete_thread(thread_id)
-        await self.store.delete_thread(thread_id)
-
-    def delete_thread(self, thread_id: str) -> None:
-        """Sync form of :meth:`adelete_thread`, for calls from other threads."""
-        self._sync(self.adelete_thread(thread_id))
+    async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.store, method)(*args, **kwargs)

@@ -18,6 +18,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.errors import ConfigurationError, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
@@ -183,6 +184,35 @@ class RecoveryStore(Protocol):
     def delete_thread(self, thread_id: str) -> None:
         """Remove everything stored for the thread."""
 
+    def ledger_get(self, key: str) -> LedgerEntry | None:
+        """The entry recorded under ``key``, if any."""
+
+    def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        """Insert (``expect=None``) or compare-and-set update an entry, with its event.
+
+        Entry and event commit in one transaction, durable on return.
+
+        Raises:
+            LedgerConflict: If the key exists (insert) or its (status, attempt) moved on.
+        """
+
+    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        """Entries of one thread, or of all threads, oldest first."""
+
+    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
+        """A model decision recorded for exactly this input, if any."""
+
+    def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        """Record a model decision durably (first writer wins)."""
+
 
 class AsyncRecoveryStore(Protocol):
     """Asynchronous twin of :class:`RecoveryStore`."""
@@ -198,6 +228,31 @@ class AsyncRecoveryStore(Protocol):
 
     async def delete_thread(self, thread_id: str) -> None:
         """Remove everything stored for the thread."""
+
+    async def ledger_get(self, key: str) -> LedgerEntry | None:
+        """The entry recorded under ``key``, if any."""
+
+    async def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        """Async twin of :meth:`RecoveryStore.ledger_write`."""
+
+    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        """Entries of one thread, or of all threads, oldest first."""
+
+    async def decision_get(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str
+    ) -> str | None:
+        """A model decision recorded for exactly this input, if any."""
+
+    async def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        """Record a model decision durably (first writer wins)."""
 
 
 def require_override(saver: BaseCheckpointSaver[Any], method: str) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 
+from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.base import EventRecord
+from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -21,6 +24,8 @@ class MemoryStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: dict[str, list[Event]] = {}
+        self._ledger: dict[str, LedgerEntry] = {}
+        self._decisions: dict[tuple[str, str, str], str] = {}
 
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
         """Nothing to create in memory; runs ``inner_setup`` if given."""
@@ -41,6 +46,50 @@ class MemoryStore:
     def delete_thread(self, thread_id: str) -> None:
         with self._lock:
             self._events.pop(thread_id, None)
+            for key in [k for k, e in self._ledger.items() if e.thread_id == thread_id]:
+                del self._ledger[key]
+            for dkey in [d for d in self._decisions if d[0] == thread_id]:
+                del self._decisions[dkey]
+
+    def ledger_get(self, key: str) -> LedgerEntry | None:
+        with self._lock:
+            return self._ledger.get(key)
+
+    def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        entry_params(entry)  # same validation as the SQL stores
+        with self._lock:
+            current = self._ledger.get(entry.key)
+            found = None if current is None else (current.status, current.attempt)
+            if current is not None if expect is None else found != expect:
+                raise LedgerConflict(entry.key)
+            self._ledger[entry.key] = entry
+            if event is None:
+                return None
+            log = self._events.setdefault(event.thread_id, [])
+            stored = event.to_event(len(log) + 1)
+            log.append(stored)
+            return stored
+
+    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        with self._lock:
+            entries = [e for e in self._ledger.values() if thread_id in (None, e.thread_id)]
+        return sorted(entries, key=lambda e: (e.created_at, e.key))
+
+    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
+        with self._lock:
+            return self._decisions.get((thread_id, checkpoint_ns, input_digest))
+
+    def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        with self._lock:
+            self._decisions.setdefault((thread_id, checkpoint_ns, input_digest), message)
 
 
 class AsyncMemoryStore:
@@ -62,3 +111,28 @@ class AsyncMemoryStore:
 
     async def delete_thread(self, thread_id: str) -> None:
         self.sync.delete_thread(thread_id)
+
+    async def ledger_get(self, key: str) -> LedgerEntry | None:
+        return self.sync.ledger_get(key)
+
+    async def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        return self.sync.ledger_write(entry, expect=expect, event=event)
+
+    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        return self.sync.ledger(thread_id)
+
+    async def decision_get(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str
+    ) -> str | None:
+        return self.sync.decision_get(thread_id, checkpoint_ns, input_digest)
+
+    async def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        self.sync.decision_put(thread_id, checkpoint_ns, input_digest, message)

@@ -20,13 +20,26 @@ from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._rows import (
+    decision_params,
+    ledger_list_sql,
+    ledger_write_sql,
+    row_to_entry,
+)
 from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
-from taskpilots_graph.errors import ConfigurationError, MigrationError, StorageError
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    LedgerConflict,
+    MigrationError,
+    StorageError,
+)
 from taskpilots_graph.events import Event
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 _D: Final = "postgres"
+_LEDGER = sql.LEDGER[_D]
 _SETUP_TIMEOUT_S = 60.0
 _DURABLE = "SET LOCAL synchronous_commit = on"
 
@@ -158,6 +171,46 @@ class PostgresStore:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
+    def ledger_get(self, key: str) -> LedgerEntry | None:
+        with self._transaction() as cur:
+            row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
+        return None if row is None else row_to_entry(row)
+
+    def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        statement, params = ledger_write_sql(_D, entry, expect)
+        with self._transaction() as cur:
+            if cur.execute(statement, params).rowcount != 1:
+                raise LedgerConflict(entry.key)
+            if event is None:
+                return None
+            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(event)).fetchone()
+        return event.to_event(seq)
+
+    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        statement, params = ledger_list_sql(_D, thread_id)
+        with self._transaction() as cur:
+            rows = cur.execute(statement, params).fetchall()
+        return [row_to_entry(row) for row in rows]
+
+    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest)
+        with self._transaction() as cur:
+            row = cur.execute(_LEDGER["decision_get"], params).fetchone()
+        return None if row is None else str(row[0])
+
+    def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
+        with self._transaction() as cur:
+            cur.execute(_LEDGER["decision_put"], params)
+
 
 class AsyncPostgresStore:
     """Asynchronous recovery store on a psycopg ``AsyncConnectionPool`` or ``AsyncConnection``.
@@ -240,3 +293,50 @@ class AsyncPostgresStore:
         async with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 await cur.execute(statement, (thread_id,))
+
+    async def ledger_get(self, key: str) -> LedgerEntry | None:
+        async with self._transaction() as cur:
+            await cur.execute(_LEDGER["get"], {"key": key})
+            row = await cur.fetchone()
+        return None if row is None else row_to_entry(row)
+
+    async def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        statement, params = ledger_write_sql(_D, entry, expect)
+        async with self._transaction() as cur:
+            await cur.execute(statement, params)
+            if cur.rowcount != 1:
+                raise LedgerConflict(entry.key)
+            if event is None:
+                return None
+            await cur.execute(sql.APPEND_EVENT[_D], _append_params(event))
+            (seq,) = await cur.fetchone()
+        return event.to_event(seq)
+
+    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        statement, params = ledger_list_sql(_D, thread_id)
+        async with self._transaction() as cur:
+            await cur.execute(statement, params)
+            rows = await cur.fetchall()
+        return [row_to_entry(row) for row in rows]
+
+    async def decision_get(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str
+    ) -> str | None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest)
+        async with self._transaction() as cur:
+            await cur.execute(_LEDGER["decision_get"], params)
+            row = await cur.fetchone()
+        return None if row is None else str(row[0])
+
+    async def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
+        async with self._transaction() as cur:
+            await cur.execute(_LEDGER["decision_put"], params)

@@ -11,14 +11,21 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
 
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._rows import (
+    decision_params,
+    ledger_list_sql,
+    ledger_write_sql,
+    row_to_entry,
+)
 from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
-from taskpilots_graph.errors import MigrationError
+from taskpilots_graph.errors import LedgerConflict, MigrationError
 from taskpilots_graph.events import Event
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncSqliteStore", "SqliteStore"]
 
@@ -50,6 +57,9 @@ def _append_params(record: EventRecord) -> tuple[Any, ...]:
         record.payload,
         record.thread_id,
     )
+
+
+_LEDGER = sql.LEDGER[_D]
 
 
 class SqliteStore:
@@ -114,6 +124,47 @@ class SqliteStore:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
+    def ledger_get(self, key: str) -> LedgerEntry | None:
+        with self._cursor() as cur:
+            row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
+        return None if row is None else row_to_entry(row)
+
+    def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        statement, params = ledger_write_sql(_D, entry, expect)
+        with self._cursor() as cur:
+            if cur.execute(statement, params).rowcount != 1:
+                raise LedgerConflict(entry.key)
+            if event is None:
+                return None
+            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(event)).fetchone()
+        return event.to_event(seq)
+
+    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        statement, params = ledger_list_sql(_D, thread_id)
+        with self._cursor() as cur:
+            rows = cur.execute(statement, params).fetchall()
+        return [row_to_entry(row) for row in rows]
+
+    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
+        with self._cursor() as cur:
+            row = cur.execute(
+                _LEDGER["decision_get"], decision_params(thread_id, checkpoint_ns, input_digest)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
+        with self._cursor() as cur:
+            cur.execute(_LEDGER["decision_put"], params)
+
 
 class AsyncSqliteStore:
     """Asynchronous recovery store sharing an ``AsyncSqliteSaver``'s connection and lock."""
@@ -153,31 +204,80 @@ class AsyncSqliteStore:
             await self._ready()
 
     async def append_event(self, record: EventRecord) -> Event:
-        async with self.lock:
-            await self._ready()
-            try:
-                async with self.conn.execute(sql.APPEND_EVENT[_D], _append_params(record)) as cur:
-                    (seq,) = await cur.fetchone()
-                await self.conn.commit()
-            except BaseException:
-                await self.conn.rollback()
-                raise
+        async with (
+            self._transaction() as conn,
+            conn.execute(sql.APPEND_EVENT[_D], _append_params(record)) as cur,
+        ):
+            (seq,) = await cur.fetchone()
         return record.to_event(seq)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        async with self.lock:
-            await self._ready()
-            async with self.conn.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)) as cur:
-                rows = await cur.fetchall()
+        async with (
+            self._transaction() as conn,
+            conn.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)) as cur,
+        ):
+            rows = await cur.fetchall()
         return rows_to_events(rows)
 
-    async def delete_thread(self, thread_id: str) -> None:
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[Any]:
         async with self.lock:
             await self._ready()
             try:
-                for statement in sql.DELETE_THREAD[_D]:
-                    await self.conn.execute(statement, (thread_id,))
+                yield self.conn
                 await self.conn.commit()
             except BaseException:
                 await self.conn.rollback()
                 raise
+
+    async def delete_thread(self, thread_id: str) -> None:
+        async with self._transaction() as conn:
+            for statement in sql.DELETE_THREAD[_D]:
+                await conn.execute(statement, (thread_id,))
+
+    async def ledger_get(self, key: str) -> LedgerEntry | None:
+        async with self._transaction() as conn, conn.execute(_LEDGER["get"], {"key": key}) as cur:
+            row = await cur.fetchone()
+        return None if row is None else row_to_entry(row)
+
+    async def ledger_write(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        event: EventRecord | None = None,
+    ) -> Event | None:
+        statement, params = ledger_write_sql(_D, entry, expect)
+        async with self._transaction() as conn:
+            async with conn.execute(statement, params) as cur:
+                if cur.rowcount != 1:
+                    raise LedgerConflict(entry.key)
+            if event is None:
+                return None
+            async with conn.execute(sql.APPEND_EVENT[_D], _append_params(event)) as cur:
+                (seq,) = await cur.fetchone()
+        return event.to_event(seq)
+
+    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+        statement, params = ledger_list_sql(_D, thread_id)
+        async with self._transaction() as conn, conn.execute(statement, params) as cur:
+            rows = await cur.fetchall()
+        return [row_to_entry(row) for row in rows]
+
+    async def decision_get(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str
+    ) -> str | None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest)
+        async with (
+            self._transaction() as conn,
+            conn.execute(_LEDGER["decision_get"], params) as cur,
+        ):
+            row = await cur.fetchone()
+        return None if row is None else str(row[0])
+
+    async def decision_put(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
+        async with self._transaction() as conn:
+            await conn.execute(_LEDGER["decision_put"], params)

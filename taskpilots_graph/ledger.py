@@ -1,0 +1,243 @@
+"""The side-effect ledger: declare effects, derive keys, and decide what a retry may do.
+
+"Record before, reconcile after." Before a side-effecting tool runs, an *intent* is written
+durably under an invocation key; after it returns, a *commit* with the result and proof (or a
+classified *failure*). When the same key comes round again (a retry, a resume after a crash,
+another agent doing the same business operation), the recorded entry decides:
+
+============================  ==============================================================
+entry found                   what happens
+============================  ==============================================================
+none                          intend, then execute
+committed / compensated       return the recorded result; the tool is not called
+failed, request not sent      execute again with the same key
+intended, or failed after a   ask the pre-check: ``Done`` → commit with its proof, skip;
+request may have been sent    ``NotDone`` → execute with the same key; ``Unknown`` or no
+                              pre-check → execute only if ``idempotent=True``, otherwise
+                              mark ``uncertain`` and stop with :class:`SideEffectUncertain`
+uncertain                     stop with :class:`SideEffectUncertain` until a person decides
+============================  ==============================================================
+
+Guarantee: *effectively once* for tools with a pre-check or an idempotent service; *at most
+once, then a person decides* for the rest. This module is I/O free; the stores persist entries
+and :mod:`taskpilots_graph.nodes.executor` drives the protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum, StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from taskpilots_graph.errors import ConfigurationError, TaskPilotsError
+
+__all__ = [
+    "Done",
+    "LedgerEntry",
+    "LedgerStatus",
+    "NotDone",
+    "PrecheckOutcome",
+    "SideEffectSpec",
+    "SideEffectUncertain",
+    "Step",
+    "Unknown",
+    "args_digest",
+    "canonical_json",
+    "default_key",
+    "next_step",
+    "step_after_precheck",
+]
+
+
+class LedgerStatus(StrEnum):
+    """Where an effect stands."""
+
+    INTENDED = "intended"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    UNCERTAIN = "uncertain"
+    COMPENSATED = "compensated"
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The pre-check found the effect already performed."""
+
+    result: Any = None
+    proof: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class NotDone:
+    """The pre-check found no trace of the effect: executing again is safe."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """The pre-check cannot tell whether the effect happened."""
+
+    reason: str = ""
+
+
+PrecheckOutcome = Done | NotDone | Unknown
+Precheck = Callable[[str, dict[str, Any]], PrecheckOutcome]
+Compensate = Callable[[str, dict[str, Any], Any], None]
+KeyFn = Callable[[dict[str, Any]], str]
+LockFn = Callable[[dict[str, Any]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class SideEffectSpec:
+    """How one tool's side effect is made safe to retry (see :func:`side_effect`).
+
+    Attributes:
+        precheck: Asks the external system whether the effect with this key happened.
+        compensate: Undoes a committed effect (used when a run is abandoned).
+        idempotent: The service deduplicates by the invocation key, so re-executing an
+            effect of unknown outcome is safe.
+        key: Business key function (e.g. ``lambda a: f"refund:{a['order_id']}"``); dedups
+            across threads and agents. Default: derived from the tool call.
+        lock: Names the business object to lock while the effect runs.
+    """
+
+    precheck: Precheck | None = None
+    compensate: Compensate | None = None
+    idempotent: bool = False
+    key: KeyFn | None = None
+    lock: LockFn | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("precheck", "compensate", "key", "lock"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigurationError(
+                    f"side_effect({name}=...) must be a callable, got {type(value).__name__}"
+                )
+        if not isinstance(self.idempotent, bool):
+            raise ConfigurationError("side_effect(idempotent=...) must be True or False")
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One recorded side effect.
+
+    Attributes:
+        key: The invocation key (also passed to the service as its idempotency key).
+        thread_id: The thread that first intended the effect.
+        tool: Tool name.
+        status: Where the effect stands.
+        args: The arguments of the call (read-only).
+        args_digest: SHA-256 of the canonical arguments.
+        attempt: How many times the tool was (or is being) executed under this key.
+        tool_call_id: The model's tool-call id, when the call came from a model.
+        checkpoint_ns: Namespace of the graph that made the call.
+        result: The recorded result (JSON), once committed.
+        proof: Evidence from the service or the pre-check (JSON).
+        error: The last failure: ``{"type", "message", "maybe_sent"}``.
+        lock: The business object locked for the call, if any.
+        created_at: When the intent was first recorded.
+        updated_at: When the entry last changed.
+    """
+
+    key: str
+    thread_id: str
+    tool: str
+    status: LedgerStatus
+    args: Mapping[str, Any]
+    args_digest: str
+    attempt: int
+    created_at: datetime
+    updated_at: datetime
+    tool_call_id: str | None = None
+    checkpoint_ns: str = ""
+    result: Any = None
+    proof: Any = None
+    error: Mapping[str, Any] | None = None
+    lock: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, MappingProxyType):
+            object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+
+
+class SideEffectUncertain(TaskPilotsError):
+    """A non-idempotent effect may or may not have happened, and nothing can tell which.
+
+    The run stops instead of re-executing it; a person decides (retry, skip, provide the
+    result). The ledger entry is marked ``uncertain``.
+    """
+
+    def __init__(self, *, key: str, tool: str, thread_id: str, reason: str) -> None:
+        super().__init__(
+            f"side effect {tool!r} with key {key!r} may already have happened ({reason}); "
+            "it was not executed again. A person must decide: retry, skip or provide the result."
+        )
+        self.key = key
+        self.tool = tool
+        self.thread_id = thread_id
+        self.reason = reason
+
+
+class Step(Enum):
+    """What the executor does next for one side-effecting call."""
+
+    EXECUTE = "execute"  # (first time or provably safe) run the tool
+    RETURN_RECORDED = "return_recorded"  # committed before: hand back the recorded result
+    PRECHECK = "precheck"  # outcome unknown: ask the pre-check
+    ESCALATE = "escalate"  # stop with SideEffectUncertain
+
+
+def next_step(entry: LedgerEntry | None) -> Step:
+    """Decide from the recorded entry (or its absence) what happens to a call."""
+    if entry is None:
+        return Step.EXECUTE
+    status = entry.status
+    if status in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED):
+        return Step.RETURN_RECORDED
+    if status is LedgerStatus.UNCERTAIN:
+        return Step.ESCALATE
+    if status is LedgerStatus.FAILED and not (entry.error or {}).get("maybe_sent", True):
+        return Step.EXECUTE
+    return Step.PRECHECK  # intended (crashed mid-call) or failed after a possible send
+
+
+def step_after_precheck(outcome: PrecheckOutcome | None, spec: SideEffectSpec) -> Step:
+    """Decide after the pre-check (``None``: the tool has none)."""
+    if isinstance(outcome, Done):
+        return Step.RETURN_RECORDED
+    if isinstance(outcome, NotDone):
+        return Step.EXECUTE
+    return Step.EXECUTE if spec.idempotent else Step.ESCALATE
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no spaces; non-JSON values fall back to ``str``."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def args_digest(args: Mapping[str, Any]) -> str:
+    """SHA-256 of the canonical arguments."""
+    return hashlib.sha256(canonical_json(dict(args)).encode()).hexdigest()
+
+
+def default_key(
+    *,
+    thread_id: str,
+    checkpoint_ns: str,
+    tool_call_id: str | None,
+    tool: str,
+    args: Mapping[str, Any],
+) -> str:
+    """The invocation key of a call when the tool declares no business key.
+
+    Stable across retries and resume (the tool-call id is checkpointed with the model's
+    message), and different after a fork or a new model decision.
+    """
+    material = canonical_json([thread_id, checkpoint_ns, tool_call_id, tool, dict(args)])
+    return f"{tool}:{hashlib.sha256(material.encode()).hexdigest()[:32]}"

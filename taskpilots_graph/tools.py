@@ -1,0 +1,182 @@
+"""Declaring side-effecting tools: ``@side_effect`` and ``current_invocation()``."""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, overload
+
+from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from pydantic import ConfigDict
+
+from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.ledger import Compensate, KeyFn, LockFn, Precheck, SideEffectSpec
+
+__all__ = ["Invocation", "SideEffectTool", "current_invocation", "side_effect", "spec_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Invocation:
+    """The ledger's view of the tool call being executed.
+
+    Attributes:
+        key: The invocation key; pass it to the service as its idempotency key.
+        attempt: 1 for the first execution under this key, then 2, 3, ...
+        thread_id: The thread running the call.
+        tool_call_id: The model's id for the call, if it came from a model.
+        tool: The tool's name.
+    """
+
+    key: str
+    attempt: int
+    thread_id: str
+    tool_call_id: str | None
+    tool: str
+
+
+_CURRENT: contextvars.ContextVar[Invocation | None] = contextvars.ContextVar(
+    "taskpilots_invocation", default=None
+)
+
+
+def current_invocation() -> Invocation:
+    """The invocation being executed, from inside a side-effecting tool.
+
+    Raises:
+        ConfigurationError: When called outside a tool run by the recovery executor.
+    """
+    inv = _CURRENT.get()
+    if inv is None:
+        raise ConfigurationError(
+            "current_invocation() is only available inside a @side_effect tool executed by "
+            "the recovery agent's executor (create_recovery_agent or RecoveryExecutor)"
+        )
+    return inv
+
+
+def set_invocation(inv: Invocation | None) -> contextvars.Token[Invocation | None]:
+    """Make ``inv`` current (executor use); reset with the returned token."""
+    return _CURRENT.set(inv)
+
+
+def reset_invocation(token: contextvars.Token[Invocation | None]) -> None:
+    """Restore the invocation that was current before :func:`set_invocation`."""
+    _CURRENT.reset(token)
+
+
+class SideEffectTool(BaseTool):
+    """A tool whose calls go through the side-effect ledger when run by the executor.
+
+    It has the wrapped tool's name, description and argument schema, so a model sees no
+    difference. Called directly (outside the recovery executor) it simply runs the tool.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    tool: BaseTool
+    spec: SideEffectSpec
+
+    def _run(
+        self,
+        *args: Any,
+        config: RunnableConfig,
+        run_manager: CallbackManagerForToolRun | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self.tool.invoke(args[0] if args else kwargs, config=config)
+
+    async def _arun(
+        self,
+        *args: Any,
+        config: RunnableConfig,
+        run_manager: AsyncCallbackManagerForToolRun | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return await self.tool.ainvoke(args[0] if args else kwargs, config=config)
+
+
+def spec_of(tool: BaseTool) -> SideEffectSpec | None:
+    """The side-effect declaration of ``tool``, or ``None`` for a pure tool."""
+    return tool.spec if isinstance(tool, SideEffectTool) else None
+
+
+@overload
+def side_effect(
+    tool: BaseTool,
+    *,
+    precheck: Precheck | None = ...,
+    compensate: Compensate | None = ...,
+    idempotent: bool = ...,
+    key: KeyFn | None = ...,
+    lock: LockFn | None = ...,
+) -> SideEffectTool: ...
+
+
+@overload
+def side_effect(
+    tool: None = None,
+    *,
+    precheck: Precheck | None = ...,
+    compensate: Compensate | None = ...,
+    idempotent: bool = ...,
+    key: KeyFn | None = ...,
+    lock: LockFn | None = ...,
+) -> Callable[[BaseTool], SideEffectTool]: ...
+
+
+def side_effect(
+    tool: BaseTool | None = None,
+    *,
+    precheck: Precheck | None = None,
+    compensate: Compensate | None = None,
+    idempotent: bool = False,
+    key: KeyFn | None = None,
+    lock: LockFn | None = None,
+) -> SideEffectTool | Callable[[BaseTool], SideEffectTool]:
+    """Declare a LangChain tool as side-effecting, so the executor runs it through the ledger.
+
+    Use it above ``@tool`` or call it on a ``BaseTool``::
+
+        @tp.side_effect(precheck=ticket_exists)
+        @tool
+        def create_ticket(customer_id: str, subject: str) -> str:
+            return helpdesk.create(customer_id, subject, request_key=tp.current_invocation().key)
+
+    Args:
+        tool: The tool (when called directly rather than as a decorator).
+        precheck: ``precheck(key, args) -> Done | NotDone | Unknown`` asks the external system
+            whether the effect already happened.
+        compensate: ``compensate(key, args, result)`` undoes a committed effect.
+        idempotent: The service deduplicates by the invocation key.
+        key: ``key(args) -> str`` gives a business key shared across threads and agents.
+        lock: ``lock(args) -> str`` names the business object to lock.
+
+    Raises:
+        ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is
+            of the wrong type.
+    """
+    spec = SideEffectSpec(
+        precheck=precheck, compensate=compensate, idempotent=idempotent, key=key, lock=lock
+    )
+
+    def wrap(target: BaseTool) -> SideEffectTool:
+        if isinstance(target, SideEffectTool):
+            raise ConfigurationError(f"tool {target.name!r} is already declared @side_effect")
+        if not isinstance(target, BaseTool):
+            raise ConfigurationError(
+                "@side_effect decorates a LangChain tool: put it above @tool, or call "
+                f"side_effect(tool, ...); got {type(target).__name__}"
+            )
+        return SideEffectTool(
+            name=target.name,
+            description=target.description,
+            args_schema=target.args_schema,
+            return_direct=target.return_direct,
+            tool=target,
+            spec=spec,
+        )
+
+    return wrap(tool) if tool is not None else wrap

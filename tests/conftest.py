@@ -1,0 +1,91 @@
+"""Fixtures giving tests real PostgreSQL and Redis servers (see `_services` for why real).
+
+One server of each kind per session keeps the suite fast; isolation comes from a fresh
+database per test (PostgreSQL) and FLUSHALL before each test (Redis). Server URLs are also
+exported through the environment so that crash-drill subprocesses can reach the same servers.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import redis
+from _services import (
+    RedisServer,
+    ServiceUnavailable,
+    create_database,
+    drop_database,
+    skip_or_fail,
+    start_postgres,
+    start_redis,
+)
+
+POSTGRES_URL_ENV = "TASKPILOTS_TEST_POSTGRES_URL"
+REDIS_URL_ENV = "TASKPILOTS_TEST_REDIS_URL"
+
+_T = TypeVar("_T")
+
+
+def _start(start: Callable[[], _T]) -> _T:
+    """Start a server; a machine without it skips the test, or fails it in CI."""
+    try:
+        return start()
+    except ServiceUnavailable as exc:
+        skip_or_fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> Iterator[str]:
+    """URL of the session's PostgreSQL superuser database (or the one given in the env)."""
+    if existing := os.environ.get(POSTGRES_URL_ENV):
+        yield existing
+        return
+    # Default tmpdir, not tmp_path_factory: as root the server runs as `postgres`, which
+    # cannot enter pytest's private /tmp/pytest-of-root. stop() removes the directory.
+    server = _start(start_postgres)
+    os.environ[POSTGRES_URL_ENV] = server.url
+    try:
+        yield server.url
+    finally:
+        os.environ.pop(POSTGRES_URL_ENV, None)
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """URL of a new, empty database of its own for this test; dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex}"
+    url = create_database(postgres_admin_url, name)
+    yield url
+    drop_database(postgres_admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The session's Redis; tests may not stop it (start a dedicated one for outage tests)."""
+    server = _start(lambda: start_redis(tmp_path_factory.mktemp("redis")))
+    os.environ[REDIS_URL_ENV] = server.url
+    try:
+        yield server
+    finally:
+        os.environ.pop(REDIS_URL_ENV, None)
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the session's Redis, emptied so no test sees another's keys."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def sqlite_path(tmp_path: Path) -> str:
+    """Path (not yet created) for a per-test SQLite database file."""
+    return str(tmp_path / "runs.db")
