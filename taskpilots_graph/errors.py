@@ -10,7 +10,10 @@ can catch the whole family at once and still tell the cases apart by type::
     │   ├── LedgerConflict          another run moved the same ledger entry first
     │   ├── MigrationError          the schema is newer than this library, or half-applied
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
+    ├── PendingTakeover             the thread waits on a person's decision
     └── ThreadNotFound              no checkpoint exists for the thread id
+
+    SideEffectUncertain (in ledger.py) also derives from TaskPilotsError.
 
 Errors carry their facts as attributes (not only in the message) and pickle cleanly, so they
 survive crossing a process boundary (workers, subprocess drills). LangGraph control flow
@@ -26,6 +29,7 @@ __all__ = [
     "CorruptRecordError",
     "LedgerConflict",
     "MigrationError",
+    "PendingTakeover",
     "StorageError",
     "TaskPilotsError",
     "ThreadNotFound",
@@ -107,3 +111,19 @@ class ThreadNotFound(TaskPilotsError, LookupError):
     def __init__(self, thread_id: str) -> None:
         super().__init__(f"no checkpoint exists for thread_id={thread_id!r}")
         self.thread_id = thread_id
+
+
+class PendingTakeover(TaskPilotsError):
+    """The thread is paused on an interrupt that a person must answer.
+
+    Resuming it with ``invoke(None)`` could replay a stale answer (LangGraph #8837); answer
+    the interrupt instead.
+    """
+
+    def __init__(self, thread_id: str, interrupt_ids: list[str]) -> None:
+        super().__init__(
+            f"thread {thread_id!r} waits on a person ({len(interrupt_ids)} pending "
+            "interrupt(s)); answer it with Command(resume=...) instead of resuming it"
+        )
+        self.thread_id = thread_id
+        self.interrupt_ids = interrupt_ids

@@ -8,7 +8,7 @@ Everything else (validation, argument shapes, docs) is written once here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
@@ -48,7 +48,7 @@ class RecoveryAPI(DelegatingSaver):
         record = prepare_event(
             thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
         )
-        return cast(Event, self._call("append_event", record))
+        return cast(list[Event], self._call("append_events", [record]))[0]
 
     async def aappend_event(
         self,
@@ -63,7 +63,7 @@ class RecoveryAPI(DelegatingSaver):
         record = prepare_event(
             thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
         )
-        return cast(Event, await self._acall("append_event", record))
+        return cast(list[Event], await self._acall("append_events", [record]))[0]
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events in order (those with ``seq > after_seq``).
@@ -104,26 +104,34 @@ class RecoveryAPI(DelegatingSaver):
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
-        """Insert or compare-and-set an entry and its event in one durable transaction.
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
+        """Insert or compare-and-set an entry and its events in one durable transaction.
 
         Raises:
             LedgerConflict: If another run changed the entry first.
         """
-        return cast(Event | None, self._call("ledger_write", entry, expect=expect, event=event))
+        return cast(list[Event], self._call("ledger_write", entry, expect=expect, events=events))
 
     async def awrite_ledger(
         self,
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         """Async form of :meth:`write_ledger`."""
         return cast(
-            Event | None, await self._acall("ledger_write", entry, expect=expect, event=event)
+            list[Event], await self._acall("ledger_write", entry, expect=expect, events=events)
         )
+
+    def append_records(self, records: Sequence[EventRecord]) -> list[Event]:
+        """Append prepared events in one durable transaction (executor use)."""
+        return cast(list[Event], self._call("append_events", records)) if records else []
+
+    async def aappend_records(self, records: Sequence[EventRecord]) -> list[Event]:
+        """Async form of :meth:`append_records`."""
+        return cast(list[Event], await self._acall("append_events", records)) if records else []
 
     # -- model decisions ---------------------------------------------------------------------
 

@@ -175,8 +175,8 @@ class RecoveryStore(Protocol):
         Idempotent, and safe when several processes call it at once.
         """
 
-    def append_event(self, record: EventRecord) -> Event:
-        """Append one event; durable when it returns."""
+    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+        """Append events in one transaction; durable when it returns."""
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
@@ -192,11 +192,11 @@ class RecoveryStore(Protocol):
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
-        """Insert (``expect=None``) or compare-and-set update an entry, with its event.
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
+        """Insert (``expect=None``) or compare-and-set update an entry, with its events.
 
-        Entry and event commit in one transaction, durable on return.
+        Entry and events commit in one transaction, durable on return.
 
         Raises:
             LedgerConflict: If the key exists (insert) or its (status, attempt) moved on.
@@ -220,8 +220,8 @@ class AsyncRecoveryStore(Protocol):
     async def setup(self, inner_setup: Callable[[], Awaitable[None]] | None = None) -> None:
         """Async twin of :meth:`RecoveryStore.setup`."""
 
-    async def append_event(self, record: EventRecord) -> Event:
-        """Append one event; durable when it returns."""
+    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+        """Append events in one transaction; durable when it returns."""
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
@@ -237,8 +237,8 @@ class AsyncRecoveryStore(Protocol):
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         """Async twin of :meth:`RecoveryStore.ledger_write`."""
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:

@@ -7,7 +7,7 @@ notebooks and quick experiments.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.base import EventRecord
@@ -32,12 +32,17 @@ class MemoryStore:
         if inner_setup is not None:
             inner_setup()
 
-    def append_event(self, record: EventRecord) -> Event:
-        with self._lock:
+    def _append(self, records: Sequence[EventRecord]) -> list[Event]:
+        stored = []
+        for record in records:
             log = self._events.setdefault(record.thread_id, [])
-            event = record.to_event(len(log) + 1)
-            log.append(event)
-            return event
+            log.append(record.to_event(len(log) + 1))
+            stored.append(log[-1])
+        return stored
+
+    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+        with self._lock:
+            return self._append(records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         with self._lock:
@@ -60,8 +65,8 @@ class MemoryStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         entry_params(entry)  # same validation as the SQL stores
         with self._lock:
             current = self._ledger.get(entry.key)
@@ -69,12 +74,7 @@ class MemoryStore:
             if current is not None if expect is None else found != expect:
                 raise LedgerConflict(entry.key)
             self._ledger[entry.key] = entry
-            if event is None:
-                return None
-            log = self._events.setdefault(event.thread_id, [])
-            stored = event.to_event(len(log) + 1)
-            log.append(stored)
-            return stored
+            return self._append(events)
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         with self._lock:
@@ -103,8 +103,8 @@ class AsyncMemoryStore:
         if inner_setup is not None:
             await inner_setup()
 
-    async def append_event(self, record: EventRecord) -> Event:
-        return self.sync.append_event(record)
+    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+        return self.sync.append_events(records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         return self.sync.events(thread_id, after_seq=after_seq)
@@ -120,9 +120,9 @@ class AsyncMemoryStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
-        return self.sync.ledger_write(entry, expect=expect, event=event)
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
+        return self.sync.ledger_write(entry, expect=expect, events=events)
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         return self.sync.ledger(thread_id)

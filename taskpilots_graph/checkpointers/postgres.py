@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
 
@@ -82,6 +82,22 @@ def _check_deadline(deadline: float) -> None:
         raise MigrationError(
             f"another process held the setup lock for over {_SETUP_TIMEOUT_S:.0f} s"
         )
+
+
+def _append_all(cur: Any, records: Sequence[EventRecord]) -> list[Event]:
+    return [
+        record.to_event(cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()[0])
+        for record in records
+    ]
+
+
+async def _aappend_all(cur: Any, records: Sequence[EventRecord]) -> list[Event]:
+    stored = []
+    for record in records:
+        await cur.execute(sql.APPEND_EVENT[_D], _append_params(record))
+        (seq,) = await cur.fetchone()
+        stored.append(record.to_event(seq))
+    return stored
 
 
 def _missing_tables(exc: errors.UndefinedTable) -> StorageError:
@@ -156,10 +172,9 @@ class PostgresStore:
             finally:
                 self.lock.acquire()
 
-    def append_event(self, record: EventRecord) -> Event:
+    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
         with self._transaction() as cur:
-            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()
-        return record.to_event(seq)
+            return _append_all(cur, records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         with self._transaction() as cur:
@@ -181,16 +196,13 @@ class PostgresStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         with self._transaction() as cur:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
-            if event is None:
-                return None
-            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(event)).fetchone()
-        return event.to_event(seq)
+            return _append_all(cur, events)
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
@@ -277,11 +289,9 @@ class AsyncPostgresStore:
             finally:
                 await self.lock.acquire()
 
-    async def append_event(self, record: EventRecord) -> Event:
+    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
         async with self._transaction() as cur:
-            await cur.execute(sql.APPEND_EVENT[_D], _append_params(record))
-            (seq,) = await cur.fetchone()
-        return record.to_event(seq)
+            return await _aappend_all(cur, records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         async with self._transaction() as cur:
@@ -305,18 +315,14 @@ class AsyncPostgresStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         async with self._transaction() as cur:
             await cur.execute(statement, params)
             if cur.rowcount != 1:
                 raise LedgerConflict(entry.key)
-            if event is None:
-                return None
-            await cur.execute(sql.APPEND_EVENT[_D], _append_params(event))
-            (seq,) = await cur.fetchone()
-        return event.to_event(seq)
+            return await _aappend_all(cur, events)
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
 
@@ -62,6 +62,22 @@ def _append_params(record: EventRecord) -> tuple[Any, ...]:
 _LEDGER = sql.LEDGER[_D]
 
 
+def _append_all(cur: sqlite3.Cursor, records: Sequence[EventRecord]) -> list[Event]:
+    return [
+        record.to_event(cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()[0])
+        for record in records
+    ]
+
+
+async def _aappend_all(conn: Any, records: Sequence[EventRecord]) -> list[Event]:
+    stored = []
+    for record in records:
+        async with conn.execute(sql.APPEND_EVENT[_D], _append_params(record)) as cur:
+            (seq,) = await cur.fetchone()
+        stored.append(record.to_event(seq))
+    return stored
+
+
 class SqliteStore:
     """Synchronous recovery store sharing a ``SqliteSaver``'s connection and lock."""
 
@@ -109,10 +125,9 @@ class SqliteStore:
         with self._cursor():
             pass
 
-    def append_event(self, record: EventRecord) -> Event:
+    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
         with self._cursor() as cur:
-            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()
-        return record.to_event(seq)
+            return _append_all(cur, records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         with self._cursor() as cur:
@@ -134,16 +149,13 @@ class SqliteStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         with self._cursor() as cur:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
-            if event is None:
-                return None
-            (seq,) = cur.execute(sql.APPEND_EVENT[_D], _append_params(event)).fetchone()
-        return event.to_event(seq)
+            return _append_all(cur, events)
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
@@ -203,13 +215,9 @@ class AsyncSqliteStore:
         async with self.lock:
             await self._ready()
 
-    async def append_event(self, record: EventRecord) -> Event:
-        async with (
-            self._transaction() as conn,
-            conn.execute(sql.APPEND_EVENT[_D], _append_params(record)) as cur,
-        ):
-            (seq,) = await cur.fetchone()
-        return record.to_event(seq)
+    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+        async with self._transaction() as conn:
+            return await _aappend_all(conn, records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         async with (
@@ -245,18 +253,14 @@ class AsyncSqliteStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        event: EventRecord | None = None,
-    ) -> Event | None:
+        events: Sequence[EventRecord] = (),
+    ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         async with self._transaction() as conn:
             async with conn.execute(statement, params) as cur:
                 if cur.rowcount != 1:
                     raise LedgerConflict(entry.key)
-            if event is None:
-                return None
-            async with conn.execute(sql.APPEND_EVENT[_D], _append_params(event)) as cur:
-                (seq,) = await cur.fetchone()
-        return event.to_event(seq)
+            return await _aappend_all(conn, events)
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)

@@ -1,0 +1,82 @@
+"""What a node learns from its LangGraph config, and stable fingerprints of messages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage, message_to_dict, messages_from_dict
+from langchain_core.runnables import RunnableConfig
+
+from taskpilots_graph.errors import ConfigurationError
+
+__all__ = ["RunContext", "dump_message", "load_message", "messages_digest", "run_context"]
+
+_DURABILITY_KEY = "__pregel_durability"  # set by LangGraph for every task
+
+
+@dataclass(frozen=True, slots=True)
+class RunContext:
+    """Where a node runs.
+
+    Attributes:
+        thread_id: The thread of the run.
+        graph_ns: The namespace of the graph containing the node, without task ids, so it is
+            the same on every resume (``""`` for the root graph).
+        durability: LangGraph's durability mode of the run.
+    """
+
+    thread_id: str
+    graph_ns: str
+    durability: str
+
+
+def run_context(config: RunnableConfig) -> RunContext:
+    """Read the thread id, graph namespace and durability from a node's config.
+
+    Raises:
+        ConfigurationError: If the run has no ``thread_id`` (recovery needs a checkpointer
+            and a thread).
+    """
+    conf = config.get("configurable") or {}
+    thread_id = conf.get("thread_id")
+    if not thread_id:
+        raise ConfigurationError(
+            "the recovery agent needs a thread: invoke it with "
+            "config={'configurable': {'thread_id': '...'}}"
+        )
+    task_ns = str(conf.get("checkpoint_ns") or "")
+    # "parent:<task id>|act:<task id>" -> "parent": task ids change on replay, names do not.
+    graph_ns = "|".join(part.split(":", 1)[0] for part in task_ns.split("|")[:-1])
+    return RunContext(str(thread_id), graph_ns, str(conf.get(_DURABILITY_KEY) or "async"))
+
+
+def _fingerprint(message: BaseMessage) -> list[Any]:
+    # Message ids are left out on purpose: add_messages gives new ids to the same input when
+    # a run is started again, while the content the model sees is unchanged.
+    item: list[Any] = [message.type, message.content]
+    if isinstance(message, AIMessage):
+        item.append([[c["name"], c["args"], c.get("id")] for c in message.tool_calls])
+    item.append(getattr(message, "tool_call_id", None))
+    return item
+
+
+def messages_digest(messages: Sequence[BaseMessage]) -> str:
+    """SHA-256 of what a model sees in ``messages``, independent of message ids."""
+    text = json.dumps(
+        [_fingerprint(m) for m in messages], sort_keys=True, default=str, ensure_ascii=False
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def dump_message(message: BaseMessage) -> str:
+    """Serialise a message to JSON text."""
+    return json.dumps(message_to_dict(message), default=str)
+
+
+def load_message(text: str) -> BaseMessage:
+    """Inverse of :func:`dump_message`."""
+    return messages_from_dict([json.loads(text)])[0]

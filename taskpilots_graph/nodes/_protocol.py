@@ -1,0 +1,325 @@
+"""The ledger protocol for one tool call, as an I/O-free generator.
+
+The generator yields *requests* (read an entry, write an entry with its event, run the
+pre-check, run the tool) and receives their answers; the sync and async executors are thin
+loops that carry the requests out. This keeps one copy of the rules for both drivers, and
+lets tests drive the protocol step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES
+from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.events import EventKind
+from taskpilots_graph.ledger import (
+    Done,
+    LedgerEntry,
+    LedgerStatus,
+    NotDone,
+    PrecheckOutcome,
+    SideEffectSpec,
+    SideEffectUncertain,
+    Step,
+    Unknown,
+    args_digest,
+    next_step,
+    step_after_precheck,
+)
+from taskpilots_graph.tools import Invocation
+
+__all__ = [
+    "CallContext",
+    "CallOutcome",
+    "Protocol",
+    "ReadEntry",
+    "RunPrecheck",
+    "RunTool",
+    "WriteEntry",
+    "WriteEvent",
+    "may_have_reached_service",
+    "run_call",
+]
+
+SUMMARY_CHARS = 2048
+"""Raw responses and errors are truncated to this many characters in events."""
+
+# Errors raised before a request can have left the process: retrying them is safe.
+_NOT_SENT: tuple[type[BaseException], ...] = (
+    ConnectionRefusedError,
+    socket.gaierror,
+    ValueError,
+    TypeError,
+    KeyError,
+    ValidationError,
+)
+
+
+def may_have_reached_service(exc: BaseException) -> bool:
+    """Whether a failed call may have performed its effect anyway.
+
+    Conservative: anything not known to fail before sending counts as possibly sent (a
+    timeout after the request left is the classic case). An exception may decide for itself
+    with a boolean ``maybe_sent`` attribute.
+    """
+    declared = getattr(exc, "maybe_sent", None)
+    if isinstance(declared, bool):
+        return declared
+    return not isinstance(exc, _NOT_SENT)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """Everything the protocol needs to know about one tool call."""
+
+    thread_id: str
+    checkpoint_ns: str
+    tool: str
+    args: Mapping[str, Any]
+    tool_call_id: str | None
+    spec: SideEffectSpec | None
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """How a call ended: a result (fresh or recorded) or the tool's exception."""
+
+    result: Any = None
+    error: BaseException | None = None
+    replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEntry:
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEntry:
+    """Write the entry and its event durably, together with any events buffered so far."""
+
+    entry: LedgerEntry
+    expect: tuple[LedgerStatus, int] | None
+    event: EventRecord
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEvent:
+    """Record an event that needs no durability of its own (flushed with the next write)."""
+
+    event: EventRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RunPrecheck:
+    key: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RunTool:
+    invocation: Invocation
+
+
+Request = ReadEntry | WriteEntry | WriteEvent | RunPrecheck | RunTool
+Protocol = Generator[Request, Any, CallOutcome]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS] + "…"
+
+
+def recordable(result: Any) -> tuple[Any, bool]:
+    """The JSON value the ledger keeps for a result, and whether it had to be reduced.
+
+    A string, or a JSON value, of at most :data:`MAX_RESULT_BYTES` is kept as is; anything
+    else is kept as its truncated text: the effect happened and must be committed anyway.
+    """
+    try:
+        text = result if isinstance(result, str) else json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError):
+        text = None
+    if text is not None and len(text) <= MAX_RESULT_BYTES:
+        return result, False
+    return str(result)[:MAX_RESULT_BYTES], True
+
+
+def _event(ctx: CallContext, kind: EventKind, **payload: Any) -> EventRecord:
+    body = {"tool": ctx.tool, "key": ctx.key, "tool_call_id": ctx.tool_call_id, **payload}
+    return prepare_event(
+        ctx.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=ctx.checkpoint_ns
+    )
+
+
+def _error_info(exc: BaseException, maybe_sent: bool) -> dict[str, Any]:
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": _truncate(str(exc)),
+        "maybe_sent": maybe_sent,
+    }
+
+
+def run_call(ctx: CallContext) -> Protocol:
+    """The protocol for one call; see :mod:`taskpilots_graph.ledger` for the rules."""
+    if ctx.spec is None:
+        return (yield from _pure_call(ctx))
+    entry: LedgerEntry | None = yield ReadEntry(ctx.key)
+    step = next_step(entry)
+    if step is Step.RETURN_RECORDED:
+        assert entry is not None
+        yield WriteEvent(_event(ctx, EventKind.TOOL_SKIPPED, reason=f"already {entry.status}"))
+        return CallOutcome(result=entry.result, replayed=True)
+    if step is Step.ESCALATE:
+        assert entry is not None
+        raise _uncertain(ctx, "it was marked uncertain earlier and awaits a person")
+    if step is Step.PRECHECK:
+        assert entry is not None
+        settled = yield from _reconcile(ctx, entry, "the previous attempt did not record a result")
+        if settled is not None:
+            return settled
+    return (yield from _execute(ctx, entry))
+
+
+def _pure_call(ctx: CallContext) -> Protocol:
+    inv = Invocation(ctx.key, 1, ctx.thread_id, ctx.tool_call_id, ctx.tool)
+    yield WriteEvent(_event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args)))
+    try:
+        result = yield RunTool(inv)
+    except Exception as exc:
+        info = _error_info(exc, may_have_reached_service(exc))
+        yield WriteEvent(_event(ctx, EventKind.TOOL_FAILED, args=dict(ctx.args), error=info))
+        return CallOutcome(error=exc)
+    yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, result=_truncate(str(result))))
+    return CallOutcome(result=result)
+
+
+def _reconcile(
+    ctx: CallContext, entry: LedgerEntry, why: str
+) -> Generator[Request, Any, CallOutcome | None]:
+    """Ask the pre-check about an effect of unknown outcome.
+
+    Returns the outcome when the question is settled without executing (``Done``), ``None``
+    when executing again with the same key is safe, and raises
+    :class:`SideEffectUncertain` otherwise (after marking the entry uncertain).
+    """
+    spec = ctx.spec
+    assert spec is not None
+    outcome: PrecheckOutcome | None = None
+    if spec.precheck is not None:
+        outcome = yield RunPrecheck(ctx.key, dict(ctx.args))
+        if not isinstance(outcome, Done | NotDone | Unknown):
+            raise TypeError(
+                f"pre-check of {ctx.tool!r} returned {outcome!r}; return tp.Done(...), "
+                "tp.NotDone() or tp.Unknown()"
+            )
+    step = step_after_precheck(outcome, spec)
+    expect = (entry.status, entry.attempt)
+    if isinstance(outcome, Done):
+        result, reduced = recordable(outcome.result)
+        done = replace(
+            entry,
+            status=LedgerStatus.COMMITTED,
+            result=result,
+            proof=outcome.proof,
+            updated_at=_now(),
+            extra={**entry.extra, "reconciled": "precheck_done", "result_reduced": reduced},
+        )
+        event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=outcome.proof)
+        yield WriteEntry(done, expect, event)
+        return CallOutcome(result=result, replayed=True)
+    if step is Step.ESCALATE:
+        reason = why + (
+            "; the pre-check could not tell" if outcome is not None else "; it has no pre-check"
+        )
+        marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=_now())
+        yield WriteEntry(marked, expect, _event(ctx, EventKind.EFFECT_UNCERTAIN, reason=reason))
+        raise _uncertain(ctx, reason)
+    label = "not_done" if isinstance(outcome, NotDone) else "unknown_idempotent"
+    yield WriteEvent(_event(ctx, EventKind.EFFECT_RECONCILED, outcome=label))
+    return None
+
+
+def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
+    now = _now()
+    attempt = (entry.attempt if entry is not None else 0) + 1
+    if entry is None:
+        intended = LedgerEntry(
+            key=ctx.key,
+            thread_id=ctx.thread_id,
+            checkpoint_ns=ctx.checkpoint_ns,
+            tool=ctx.tool,
+            tool_call_id=ctx.tool_call_id,
+            status=LedgerStatus.INTENDED,
+            args=ctx.args,
+            args_digest=args_digest(ctx.args),
+            attempt=attempt,
+            created_at=now,
+            updated_at=now,
+            lock=ctx.spec.lock(dict(ctx.args)) if ctx.spec and ctx.spec.lock else None,
+        )
+        expect = None
+    else:
+        intended = replace(
+            entry, status=LedgerStatus.INTENDED, attempt=attempt, error=None, updated_at=now
+        )
+        expect = (entry.status, entry.attempt)
+    invoked = _event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt)
+    yield WriteEntry(intended, expect, invoked)
+    inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
+    try:
+        result = yield RunTool(inv)
+    except Exception as exc:
+        return (yield from _failed(ctx, intended, exc))
+    recorded, reduced = recordable(result)
+    committed = replace(
+        intended,
+        status=LedgerStatus.COMMITTED,
+        result=recorded,
+        updated_at=_now(),
+        extra={**intended.extra, "result_reduced": reduced} if reduced else intended.extra,
+    )
+    succeeded = _event(
+        ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, result=_truncate(str(result))
+    )
+    yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
+    return CallOutcome(result=result)
+
+
+def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol:
+    maybe_sent = may_have_reached_service(exc)
+    info = _error_info(exc, maybe_sent)
+    failed = replace(intended, status=LedgerStatus.FAILED, error=info, updated_at=_now())
+    event = _event(
+        ctx,
+        EventKind.TOOL_FAILED,
+        args=dict(ctx.args),
+        attempt=intended.attempt,
+        error=info,
+        python=sys.version.split()[0],
+    )
+    yield WriteEntry(failed, (LedgerStatus.INTENDED, intended.attempt), event)
+    if maybe_sent:
+        settled = yield from _reconcile(
+            ctx, failed, f"the call failed with {type(exc).__name__} after it may have been sent"
+        )
+        if settled is not None:
+            return settled
+    return CallOutcome(error=exc)
+
+
+def _uncertain(ctx: CallContext, reason: str) -> SideEffectUncertain:
+    return SideEffectUncertain(key=ctx.key, tool=ctx.tool, thread_id=ctx.thread_id, reason=reason)
