@@ -2,8 +2,8 @@
 
 The store uses the saver's connection pool (or its single connection, under the saver's own
 lock), so writing an event never opens a connection of its own. Every write commits before
-the call returns: an external action may follow it, so ``synchronous_commit=off`` is refused
-at the statement level by setting it back to ``on`` in the transaction.
+the call returns: an external action may follow it, so every write transaction sets
+``synchronous_commit`` back to ``on`` locally, whatever the server or role default says.
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ class PostgresStore:
                 with conn.transaction():
                     cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
                     for version, script in _pending(cur.execute(sql.SELECT_VERSION).fetchone()[0]):  # type: ignore[index]
-                        cur.execute(script)
+                        # Scripts hold several statements, which cannot be prepared
+                        # (the pool's connections prepare everything: prepare_threshold=0).
+                        cur.execute(script, prepare=False)
                         cur.execute(sql.INSERT_VERSION[_D], (version,))
             finally:
                 cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
@@ -274,7 +276,7 @@ class AsyncPostgresStore:
                     await cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
                     (current,) = await (await cur.execute(sql.SELECT_VERSION)).fetchone()  # type: ignore[misc]
                     for version, script in _pending(current):
-                        await cur.execute(script)
+                        await cur.execute(script, prepare=False)
                         await cur.execute(sql.INSERT_VERSION[_D], (version,))
             finally:
                 await cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
