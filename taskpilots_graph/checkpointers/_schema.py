@@ -9,6 +9,22 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
+__all__ = [
+    "APPEND_EVENT",
+    "CREATE_MIGRATIONS_TABLE",
+    "DELETE_THREAD",
+    "INSERT_VERSION",
+    "LEDGER",
+    "LEDGER_FIELDS",
+    "MIGRATIONS",
+    "MIGRATIONS_TABLE",
+    "SCHEMA_VERSION",
+    "SELECT_EVENTS",
+    "SELECT_VERSION",
+    "SETUP_LOCK_KEY",
+    "Dialect",
+]
+
 Dialect = Literal["sqlite", "postgres"]
 
 MIGRATIONS_TABLE: Final = "taskpilots_migrations"

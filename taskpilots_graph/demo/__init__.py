@@ -2,3 +2,5 @@
 
 Run it with ``make demo`` or ``python -m taskpilots_graph.demo``.
 """
+
+__all__: list[str] = []
