@@ -42,6 +42,7 @@ class EventKind(StrEnum):
     # Recovery events.
     RUN_RESUMED = "run_resumed"
     TOOL_SKIPPED = "tool_skipped"
+    TOOL_PAUSED = "tool_paused"
     EFFECT_RECONCILED = "effect_reconciled"
     EFFECT_UNCERTAIN = "effect_uncertain"
     RETRY_SCHEDULED = "retry_scheduled"

@@ -11,6 +11,8 @@ entry found                   what happens
 none                          intend, then execute
 committed / compensated       return the recorded result; the tool is not called
 failed, request not sent      execute again with the same key
+intended, paused on an        execute again with the same key (the tool is resuming)
+interrupt()
 intended, or failed after a   ask the pre-check: ``Done`` → commit with its proof, skip;
 request may have been sent    ``NotDone`` → execute with the same key; ``Unknown`` or no
                               pre-check → execute only if ``idempotent=True``, otherwise
@@ -37,6 +39,7 @@ from typing import Any
 from taskpilots_graph.errors import ConfigurationError, TaskPilotsError
 
 __all__ = [
+    "PAUSED",
     "Done",
     "LedgerEntry",
     "LedgerStatus",
@@ -52,6 +55,10 @@ __all__ = [
     "next_step",
     "step_after_precheck",
 ]
+
+
+PAUSED = "paused_on_interrupt"
+"""Flag in ``LedgerEntry.extra``: the tool raised LangGraph's interrupt while executing."""
 
 
 class LedgerStatus(StrEnum):
@@ -204,6 +211,8 @@ def next_step(entry: LedgerEntry | None) -> Step:
         return Step.ESCALATE
     if status is LedgerStatus.FAILED and not (entry.error or {}).get("maybe_sent", True):
         return Step.EXECUTE
+    if status is LedgerStatus.INTENDED and entry.extra.get(PAUSED):
+        return Step.EXECUTE  # the tool paused on interrupt() and is being resumed
     return Step.PRECHECK  # intended (crashed mid-call) or failed after a possible send
 
 

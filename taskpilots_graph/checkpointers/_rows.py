@@ -17,6 +17,7 @@ __all__ = [
     "MAX_RESULT_BYTES",
     "decision_params",
     "dump_json",
+    "dump_json_unchecked",
     "entry_params",
     "ledger_list_sql",
     "ledger_write_sql",
@@ -29,10 +30,15 @@ MAX_RESULT_BYTES = 256 * 1024
 _TABLE = "taskpilots_ledger"
 
 
+def dump_json_unchecked(value: Any) -> str:
+    """The encoding of ledger fields (compact, sorted, strict), without the size check."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def dump_json(value: Any, *, what: str) -> str:
     """Strict JSON for a ledger field, or a :class:`ConfigurationError` naming the field."""
     try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = dump_json_unchecked(value)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(f"{what} must be JSON-serialisable: {exc}") from exc
     if len(text) > MAX_RESULT_BYTES:

@@ -8,7 +8,6 @@ lets tests drive the protocol step by step.
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 from collections.abc import Generator, Mapping
@@ -16,12 +15,15 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from langgraph.errors import GraphBubbleUp
 from pydantic import ValidationError
 
-from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES
+from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import (
+    PAUSED,
     Done,
     LedgerEntry,
     LedgerStatus,
@@ -146,16 +148,31 @@ def _truncate(text: str) -> str:
 def recordable(result: Any) -> tuple[Any, bool]:
     """The JSON value the ledger keeps for a result, and whether it had to be reduced.
 
-    A string, or a JSON value, of at most :data:`MAX_RESULT_BYTES` is kept as is; anything
-    else is kept as its truncated text: the effect happened and must be committed anyway.
+    A value the store accepts as it is (JSON, at most :data:`MAX_RESULT_BYTES` once encoded
+    the way the store encodes it) is kept; anything else is kept as its text, cut until its
+    encoding fits: the effect happened and must be committed whatever the tool returned.
     """
     try:
-        text = result if isinstance(result, str) else json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError):
-        text = None
-    if text is not None and len(text) <= MAX_RESULT_BYTES:
+        dump_json(result, what="result")
+    except ConfigurationError:
+        pass
+    else:
         return result, False
-    return str(result)[:MAX_RESULT_BYTES], True
+    text = str(result)
+    while len(encoded := dump_json_unchecked(text)) > MAX_RESULT_BYTES:
+        # Escapes make the encoding longer than the text: keep the share that fits.
+        text = text[: max(0, len(text) * MAX_RESULT_BYTES // len(encoded) - 1)]
+    return text, True
+
+
+def _brief(value: Any) -> Any:
+    """``value`` itself when its JSON fits an event summary, else its truncated text."""
+    try:
+        if len(dump_json_unchecked(value)) <= SUMMARY_CHARS:
+            return value
+    except (TypeError, ValueError):
+        pass
+    return _truncate(str(value))
 
 
 def _event(ctx: CallContext, kind: EventKind, **payload: Any) -> EventRecord:
@@ -199,6 +216,8 @@ def _pure_call(ctx: CallContext) -> Protocol:
     yield WriteEvent(_event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args)))
     try:
         result = yield RunTool(inv)
+    except GraphBubbleUp:
+        raise  # an interrupt inside the tool: LangGraph control flow, not a failure
     except Exception as exc:
         info = _error_info(exc, may_have_reached_service(exc))
         yield WriteEvent(_event(ctx, EventKind.TOOL_FAILED, args=dict(ctx.args), error=info))
@@ -230,15 +249,20 @@ def _reconcile(
     expect = (entry.status, entry.attempt)
     if isinstance(outcome, Done):
         result, reduced = recordable(outcome.result)
+        proof, proof_reduced = recordable(outcome.proof)
         done = replace(
             entry,
             status=LedgerStatus.COMMITTED,
             result=result,
-            proof=outcome.proof,
+            proof=proof,
             updated_at=_now(),
-            extra={**entry.extra, "reconciled": "precheck_done", "result_reduced": reduced},
+            extra={
+                **entry.extra,
+                "reconciled": "precheck_done",
+                "result_reduced": reduced or proof_reduced,
+            },
         )
-        event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=outcome.proof)
+        event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=_brief(proof))
         yield WriteEntry(done, expect, event)
         return CallOutcome(result=result, replayed=True)
     if step is Step.ESCALATE:
@@ -274,7 +298,12 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         expect = None
     else:
         intended = replace(
-            entry, status=LedgerStatus.INTENDED, attempt=attempt, error=None, updated_at=now
+            entry,
+            status=LedgerStatus.INTENDED,
+            attempt=attempt,
+            error=None,
+            updated_at=now,
+            extra={k: v for k, v in entry.extra.items() if k != PAUSED},
         )
         expect = (entry.status, entry.attempt)
     invoked = _event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt)
@@ -282,6 +311,15 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
     inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
     try:
         result = yield RunTool(inv)
+    except GraphBubbleUp:
+        # The tool paused on interrupt(). LangGraph re-runs it from its first line when the
+        # interrupt is answered, so that re-run is the same call continuing, not a crash
+        # to reconcile: mark the entry, keep it intended, and let the interrupt through.
+        paused = replace(intended, extra={**intended.extra, PAUSED: True}, updated_at=_now())
+        yield WriteEntry(
+            paused, (LedgerStatus.INTENDED, attempt), _event(ctx, EventKind.TOOL_PAUSED)
+        )
+        raise
     except Exception as exc:
         return (yield from _failed(ctx, intended, exc))
     recorded, reduced = recordable(result)

@@ -241,9 +241,8 @@ class RecoveryExecutor:
                 token = set_invocation(request.invocation)
                 try:
                     value = _target(tool).invoke(dict(ctx.args), config)
-                except GraphBubbleUp:
-                    raise  # LangGraph control flow (interrupts) is never a tool failure
                 except Exception as exc:
+                    # Handed to the protocol, which lets LangGraph control flow through.
                     thrown = exc
                 finally:
                     reset_invocation(token)
@@ -301,8 +300,6 @@ class RecoveryExecutor:
                 token = set_invocation(request.invocation)
                 try:
                     value = await _target(tool).ainvoke(dict(ctx.args), config)
-                except GraphBubbleUp:
-                    raise
                 except Exception as exc:
                     thrown = exc
                 finally:

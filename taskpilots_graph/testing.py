@@ -1,0 +1,153 @@
+"""Test seams: fault-injecting tool wrappers and a clock that does not really sleep.
+
+Example:
+    >>> import taskpilots_graph as tp
+    >>> from taskpilots_graph import testing
+    >>> flaky = testing.failing(search_tool, times=2, exc=TimeoutError("read timed out"))
+    ... # doctest: +SKIP
+    >>> with testing.fake_clock() as clock:  # backoff waits advance a virtual clock
+    ...     graph.invoke(...)  # doctest: +SKIP
+    ...     clock.slept  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, StructuredTool
+
+from taskpilots_graph import _clock
+from taskpilots_graph.tools import SideEffectTool
+
+__all__ = ["FakeClock", "FaultyTool", "down_for", "fail_after_effect", "failing", "fake_clock"]
+
+ExcFactory = BaseException | Callable[[], BaseException]
+
+
+def _make(exc: ExcFactory) -> BaseException:
+    return exc if isinstance(exc, BaseException) else exc()
+
+
+@dataclass
+class FakeClock:
+    """A virtual clock: ``sleep`` advances it instantly and records the wait."""
+
+    time: float = 1_700_000_000.0
+    slept: list[float] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def now(self) -> float:
+        with self._lock:
+            return self.time
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock forward, as if ``seconds`` passed."""
+        with self._lock:
+            self.time += seconds
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.slept.append(seconds)
+            self.time += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+@contextmanager
+def fake_clock(start: float = 1_700_000_000.0) -> Iterator[FakeClock]:
+    """Install a :class:`FakeClock` for the library (turns real sleeping off)."""
+    clock = FakeClock(time=start)
+    previous = _clock.set_clock(_clock.Clock(now=clock.now, sleep=clock.sleep, asleep=clock.asleep))
+    try:
+        yield clock
+    finally:
+        _clock.set_clock(previous)
+
+
+class FaultyTool:
+    """Counts the calls of a wrapped tool and decides, per call, whether it fails.
+
+    Attributes:
+        tool: The tool to give the model (same name, description and schema as the original;
+            a ``@side_effect`` declaration is kept).
+        calls: How many times the tool was called.
+        effects: How many times the original tool actually ran.
+    """
+
+    def __init__(
+        self,
+        original: BaseTool,
+        decide: Callable[[int], tuple[bool, bool]],
+        exc: ExcFactory,
+    ) -> None:
+        self.calls = 0
+        self.effects = 0
+        self._decide = decide  # call number -> (fail before running, fail after running)
+        self._exc = exc
+        self._lock = threading.Lock()
+        inner = original.tool if isinstance(original, SideEffectTool) else original
+
+        def run(config: RunnableConfig, **kwargs: Any) -> Any:
+            with self._lock:
+                self.calls += 1
+                before, after = self._decide(self.calls)
+            if before:
+                raise _make(self._exc)
+            result = inner.invoke(kwargs, config=config)
+            with self._lock:
+                self.effects += 1
+            if after:
+                raise _make(self._exc)
+            return result
+
+        wrapped: BaseTool = StructuredTool(
+            name=inner.name,
+            description=inner.description,
+            args_schema=inner.args_schema or inner.get_input_schema(),
+            func=run,
+        )
+        if isinstance(original, SideEffectTool):
+            wrapped = SideEffectTool(
+                name=original.name,
+                description=original.description,
+                args_schema=original.args_schema,
+                tool=wrapped,
+                spec=original.spec,
+            )
+        self.tool = wrapped
+
+
+def failing(tool: BaseTool, *, times: int, exc: ExcFactory) -> FaultyTool:
+    """The tool fails with ``exc`` on its first ``times`` calls, then works."""
+    return FaultyTool(tool, lambda n: (n <= times, False), exc)
+
+
+def fail_after_effect(
+    tool: BaseTool, *, times: int = 1, exc: ExcFactory = TimeoutError
+) -> FaultyTool:
+    """The tool performs its effect, then raises ``exc`` (default: a timeout) ``times`` times.
+
+    The classic uncertain failure: the request reached the service, the answer was lost.
+    """
+    return FaultyTool(tool, lambda n: (False, n <= times), exc)
+
+
+def down_for(
+    tool: BaseTool, seconds: float, *, exc: ExcFactory = ConnectionRefusedError
+) -> FaultyTool:
+    """The tool is down for ``seconds`` of the library clock from its first call."""
+    started: list[float] = []
+
+    def decide(_n: int) -> tuple[bool, bool]:
+        now = _clock.now()
+        if not started:
+            started.append(now)
+        return (now - started[0] < seconds, False)
+
+    return FaultyTool(tool, decide, exc)

@@ -1,0 +1,467 @@
+"""Every branch of the ledger's reconcile rules, driven through a real compiled agent.
+
+Each test leaves the ledger the way an earlier run would have left it (finished, crashed
+mid-call, failed), by writing an entry under the business key the executor will compute
+(``biz:<order>``), and then runs ``create_recovery_agent`` with a scripted chat model on a real
+SQLite file or PostgreSQL database. The assertions look at three things: what the in-process
+payment service saw, what the ledger now holds, and which events were logged.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+from _services import create_database, drop_database
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.tools import BaseTool, tool
+from langgraph.graph.state import CompiledStateGraph
+from psycopg import sql
+from pydantic import Field
+
+from taskpilots_graph import (
+    Done,
+    EventKind,
+    Invocation,
+    LedgerEntry,
+    LedgerStatus,
+    NotDone,
+    RecoveryCheckpointer,
+    SideEffectUncertain,
+    Unknown,
+    create_recovery_agent,
+    current_invocation,
+    resume,
+    side_effect,
+)
+from taskpilots_graph.ledger import PrecheckOutcome, args_digest
+
+ARGS: dict[str, Any] = {"order": "o-1", "amount": 40}
+KEY = "biz:o-1"
+
+# --- backends ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def postgres_db(postgres_admin_url: str) -> Iterator[str]:
+    """One set-up PostgreSQL database per module (a new one per test costs ~1 s)."""
+    name = f"t_{uuid.uuid4().hex}"
+    url = create_database(postgres_admin_url, name)
+    with RecoveryCheckpointer.from_conn_string(url) as saver:
+        saver.setup()
+    yield url
+    drop_database(postgres_admin_url, name)
+
+
+def _emptied(url: str) -> str:
+    """Delete every row except the schema versions: the database is as good as new."""
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
+        tables = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
+            "AND tablename NOT LIKE '%migrations'"
+        ).fetchall()
+        for (table,) in tables:
+            conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
+    return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def conn_string(request: pytest.FixtureRequest) -> str:
+    """Connection string of an empty, set-up database: a SQLite file or a PostgreSQL DB."""
+    if request.param == "sqlite":
+        return f"sqlite:///{request.getfixturevalue('sqlite_path')}"
+    return _emptied(request.getfixturevalue("postgres_db"))
+
+
+@pytest.fixture
+def cp(conn_string: str) -> Iterator[RecoveryCheckpointer]:
+    """A set-up recovery checkpointer on the test's database."""
+    with RecoveryCheckpointer.from_conn_string(conn_string) as saver:
+        saver.setup()
+        yield saver
+
+
+# --- the scripted model and the simulated service ---------------------------------------------
+
+
+class ScriptedModel(BaseChatModel):
+    """Calls ``charge`` once, then answers; decides from the messages, never from a counter."""
+
+    asked: list[int] = Field(default_factory=list)
+
+    @property
+    def _llm_type(self) -> str:
+        return "scripted-reconcile-test"
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> ScriptedModel:  # type: ignore[override]
+        return self
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        self.asked.append(len(messages))
+        results = [m for m in messages if isinstance(m, ToolMessage)]
+        if results:
+            message = AIMessage(f"done: {results[-1].content}")
+        else:
+            call = {"name": "charge", "args": dict(ARGS), "id": f"call_{uuid.uuid4().hex[:12]}"}
+            message = AIMessage("", tool_calls=[call])
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+@dataclass
+class PaymentService:
+    """In-process payment service: receipts by idempotency key, and every execution seen.
+
+    ``behaviours`` is consumed one per execution (default ``"ok"``): ``"refused"`` and
+    ``"invalid"`` fail before anything is charged, ``"timeout"`` charges and then times out.
+    """
+
+    behaviours: list[str] = field(default_factory=list)
+    receipts: dict[str, str] = field(default_factory=dict)
+    executions: list[Invocation] = field(default_factory=list)
+    prechecks: list[str] = field(default_factory=list)
+
+    def charge(self, order: str, amount: int) -> str:
+        inv = current_invocation()
+        self.executions.append(inv)
+        behaviour = self.behaviours.pop(0) if self.behaviours else "ok"
+        if behaviour == "refused":
+            raise ConnectionRefusedError("payment gateway refused the connection")
+        if behaviour == "invalid":
+            raise ValueError("amount rejected by client-side validation")
+        receipt = self.receipts.setdefault(inv.key, f"receipt-{order}-{amount}")
+        if behaviour == "timeout":
+            raise TimeoutError("no response from the payment gateway within 5 s")
+        return receipt
+
+    def find(self, key: str, args: dict[str, Any]) -> PrecheckOutcome:
+        self.prechecks.append(key)
+        if key in self.receipts:
+            return Done(result=self.receipts[key], proof={"receipt": self.receipts[key]})
+        return NotDone()
+
+    def cannot_tell(self, key: str, args: dict[str, Any]) -> PrecheckOutcome:
+        self.prechecks.append(key)
+        return Unknown("the gateway's search API is down")
+
+
+def charge_tool(service: PaymentService, **options: Any) -> BaseTool:
+    @tool
+    def charge(order: str, amount: int) -> str:
+        """Charge a customer's order."""
+        return service.charge(order, amount)
+
+    return side_effect(charge, key=lambda a: f"biz:{a['order']}", **options)
+
+
+def build(cp: RecoveryCheckpointer, tool_: BaseTool) -> CompiledStateGraph[Any, Any, Any, Any]:
+    return create_recovery_agent(ScriptedModel(), [tool_], checkpointer=cp)
+
+
+def run(graph: CompiledStateGraph[Any, Any, Any, Any], thread_id: str) -> dict[str, Any]:
+    config = {"configurable": {"thread_id": thread_id}}
+    result: dict[str, Any] = graph.invoke({"messages": [HumanMessage("charge order o-1")]}, config)
+    return result
+
+
+def seed(
+    cp: RecoveryCheckpointer,
+    status: LedgerStatus,
+    *,
+    result: Any = None,
+    error: dict[str, Any] | None = None,
+) -> LedgerEntry:
+    """Write the entry an earlier run (thread ``earlier``) left under ``KEY``."""
+    now = datetime.now(UTC)
+    entry = LedgerEntry(
+        key=KEY,
+        thread_id="earlier",
+        tool="charge",
+        status=status,
+        args=ARGS,
+        args_digest=args_digest(ARGS),
+        attempt=1,
+        created_at=now,
+        updated_at=now,
+        tool_call_id="call_earlier",
+        result=result,
+        error=error,
+    )
+    cp.write_ledger(entry, expect=None)
+    return entry
+
+
+def entry(cp: RecoveryCheckpointer) -> LedgerEntry:
+    found = cp.ledger_entry(KEY)
+    assert found is not None
+    return found
+
+
+def kinds(cp: RecoveryCheckpointer, thread_id: str) -> list[str]:
+    return [e.kind.value for e in cp.events(thread_id)]
+
+
+def payloads(cp: RecoveryCheckpointer, thread_id: str, kind: EventKind) -> list[dict[str, Any]]:
+    return [dict(e.payload) for e in cp.events(thread_id) if e.kind is kind]
+
+
+def tool_messages(result: dict[str, Any]) -> list[ToolMessage]:
+    return [m for m in result["messages"] if isinstance(m, ToolMessage)]
+
+
+# --- no entry ---------------------------------------------------------------------------------
+
+
+def test_no_entry_intends_executes_and_commits(cp: RecoveryCheckpointer) -> None:
+    """Without an entry the tool runs once (attempt 1, business key) and its result is committed."""
+    service = PaymentService()
+    result = run(build(cp, charge_tool(service)), "t")
+
+    assert [(i.key, i.attempt) for i in service.executions] == [(KEY, 1)]
+    committed = entry(cp)
+    assert (committed.status, committed.attempt) == (LedgerStatus.COMMITTED, 1)
+    assert committed.result == "receipt-o-1-40"
+    assert [m.content for m in tool_messages(result)] == ["receipt-o-1-40"]
+    assert "tool_skipped" not in kinds(cp, "t")
+
+
+# --- committed / compensated ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED])
+def test_finished_entry_returns_recorded_result_without_calling(
+    cp: RecoveryCheckpointer, status: LedgerStatus
+) -> None:
+    """A committed/compensated entry hands back its recorded result; the tool is not called."""
+    service = PaymentService()
+    seed(cp, status, result="receipt-from-earlier")
+    result = run(build(cp, charge_tool(service)), "t")
+
+    assert service.executions == []
+    assert [m.content for m in tool_messages(result)] == ["receipt-from-earlier"]
+    assert tool_messages(result)[0].status == "success"
+    assert [p["key"] for p in payloads(cp, "t", EventKind.TOOL_SKIPPED)] == [KEY]
+    assert "tool_invoked" not in kinds(cp, "t")
+    after = entry(cp)
+    assert (after.status, after.attempt, after.thread_id) == (status, 1, "earlier")
+
+
+# --- intended (crashed mid-call) --------------------------------------------------------------
+
+
+def test_intended_with_precheck_done_commits_with_its_proof(cp: RecoveryCheckpointer) -> None:
+    """Intended + pre-check Done: committed with the pre-check's result and proof, no call."""
+    service = PaymentService(receipts={KEY: "receipt-made-before-crash"})
+    seed(cp, LedgerStatus.INTENDED)
+    result = run(build(cp, charge_tool(service, precheck=service.find)), "t")
+
+    assert service.executions == []
+    assert service.prechecks == [KEY]
+    done = entry(cp)
+    assert done.status is LedgerStatus.COMMITTED
+    assert done.result == "receipt-made-before-crash"
+    assert done.proof == {"receipt": "receipt-made-before-crash"}
+    assert done.extra["reconciled"] == "precheck_done"
+    assert [m.content for m in tool_messages(result)] == ["receipt-made-before-crash"]
+    (reconciled,) = payloads(cp, "t", EventKind.EFFECT_RECONCILED)
+    assert reconciled["outcome"] == "done"
+    assert reconciled["proof"] == {"receipt": "receipt-made-before-crash"}
+    assert "tool_invoked" not in kinds(cp, "t")
+
+
+def test_intended_with_precheck_not_done_executes_again_with_same_key(
+    cp: RecoveryCheckpointer,
+) -> None:
+    """Intended + pre-check NotDone: executed once more under the same key, as attempt 2."""
+    service = PaymentService()
+    seed(cp, LedgerStatus.INTENDED)
+    run(build(cp, charge_tool(service, precheck=service.find)), "t")
+
+    assert [(i.key, i.attempt) for i in service.executions] == [(KEY, 2)]
+    done = entry(cp)
+    assert (done.status, done.attempt) == (LedgerStatus.COMMITTED, 2)
+    assert done.result == "receipt-o-1-40"
+    assert [p["outcome"] for p in payloads(cp, "t", EventKind.EFFECT_RECONCILED)] == ["not_done"]
+
+
+@pytest.mark.parametrize("with_precheck", [True, False], ids=["unknown", "no-precheck"])
+def test_intended_unknown_idempotent_executes_again_with_same_key(
+    cp: RecoveryCheckpointer, with_precheck: bool
+) -> None:
+    """Intended + Unknown (or no pre-check) + idempotent: re-executed under the same key."""
+    service = PaymentService()
+    precheck = service.cannot_tell if with_precheck else None
+    seed(cp, LedgerStatus.INTENDED)
+    run(build(cp, charge_tool(service, precheck=precheck, idempotent=True)), "t")
+
+    assert [(i.key, i.attempt) for i in service.executions] == [(KEY, 2)]
+    assert service.prechecks == ([KEY] if with_precheck else [])
+    assert (entry(cp).status, entry(cp).attempt) == (LedgerStatus.COMMITTED, 2)
+    outcomes = [p["outcome"] for p in payloads(cp, "t", EventKind.EFFECT_RECONCILED)]
+    assert outcomes == ["unknown_idempotent"]
+
+
+@pytest.mark.parametrize("with_precheck", [True, False], ids=["unknown", "no-precheck"])
+def test_intended_unknown_non_idempotent_stops_uncertain(
+    cp: RecoveryCheckpointer, with_precheck: bool
+) -> None:
+    """Intended + Unknown (or no pre-check) + not idempotent: SideEffectUncertain, no call."""
+    service = PaymentService()
+    precheck = service.cannot_tell if with_precheck else None
+    seed(cp, LedgerStatus.INTENDED)
+    graph = build(cp, charge_tool(service, precheck=precheck))
+
+    with pytest.raises(SideEffectUncertain) as raised:
+        run(graph, "t")
+
+    assert (raised.value.key, raised.value.tool, raised.value.thread_id) == (KEY, "charge", "t")
+    assert service.executions == []
+    assert entry(cp).status is LedgerStatus.UNCERTAIN
+    assert len(payloads(cp, "t", EventKind.EFFECT_UNCERTAIN)) == 1
+
+
+def test_uncertain_entry_raises_again_on_resume_without_calling(cp: RecoveryCheckpointer) -> None:
+    """Once uncertain, resuming the thread raises SideEffectUncertain again and never executes."""
+    service = PaymentService()
+    seed(cp, LedgerStatus.INTENDED)
+    graph = build(cp, charge_tool(service, precheck=service.cannot_tell))
+    with pytest.raises(SideEffectUncertain):
+        run(graph, "t")
+
+    with pytest.raises(SideEffectUncertain, match="awaits a person"):
+        resume(graph, "t")
+
+    assert service.executions == []
+    assert service.prechecks == [KEY]  # the second attempt does not even ask again
+    assert entry(cp).status is LedgerStatus.UNCERTAIN
+    assert kinds(cp, "t").count("run_resumed") == 1
+    assert kinds(cp, "t").count("effect_uncertain") == 1
+
+
+def test_precheck_that_raises_counts_as_unknown(cp: RecoveryCheckpointer) -> None:
+    """A pre-check that raises fails closed: treated as Unknown, the effect is not re-executed."""
+    service = PaymentService()
+
+    def broken(key: str, args: dict[str, Any]) -> PrecheckOutcome:
+        raise OSError("search endpoint unreachable")
+
+    seed(cp, LedgerStatus.INTENDED)
+    with pytest.raises(SideEffectUncertain, match="could not tell"):
+        run(build(cp, charge_tool(service, precheck=broken)), "t")
+
+    assert service.executions == []
+    assert entry(cp).status is LedgerStatus.UNCERTAIN
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("behaviour", ["refused", "invalid"])
+def test_failure_before_send_is_recorded_as_not_sent(
+    cp: RecoveryCheckpointer, behaviour: str
+) -> None:
+    """ConnectionRefusedError/ValueError: entry failed with maybe_sent False, error ToolMessage."""
+    service = PaymentService(behaviours=[behaviour])
+    result = run(build(cp, charge_tool(service, precheck=service.find)), "t")
+
+    failed = entry(cp)
+    assert failed.status is LedgerStatus.FAILED
+    assert failed.error is not None
+    assert failed.error["maybe_sent"] is False
+    expected = {"refused": "ConnectionRefusedError", "invalid": "ValueError"}[behaviour]
+    assert failed.error["type"] == f"builtins.{expected}"
+    (message,) = tool_messages(result)
+    assert message.status == "error"
+    assert expected in str(message.content)
+    assert service.prechecks == []  # nothing can have happened: no need to ask
+    assert service.receipts == {}
+    assert [p["error"]["maybe_sent"] for p in payloads(cp, "t", EventKind.TOOL_FAILED)] == [False]
+
+
+def test_retry_after_failure_before_send_executes_with_same_key(cp: RecoveryCheckpointer) -> None:
+    """A later run under the key of a not-sent failure executes again (attempt 2), no pre-check."""
+    service = PaymentService(behaviours=["refused"])
+    graph = build(cp, charge_tool(service, precheck=service.find))
+    run(graph, "first")
+
+    result = run(graph, "retry")
+
+    assert [(i.key, i.attempt) for i in service.executions] == [(KEY, 1), (KEY, 2)]
+    assert service.prechecks == []
+    done = entry(cp)
+    assert (done.status, done.attempt, done.error) == (LedgerStatus.COMMITTED, 2, None)
+    assert [m.content for m in tool_messages(result)] == ["receipt-o-1-40"]
+
+
+def test_failure_after_send_with_precheck_done_commits_without_repeat(
+    cp: RecoveryCheckpointer,
+) -> None:
+    """TimeoutError after the charge: the pre-check runs at once, finds it, and commits it."""
+    service = PaymentService(behaviours=["timeout"])
+    result = run(build(cp, charge_tool(service, precheck=service.find)), "t")
+
+    assert len(service.executions) == 1
+    assert service.prechecks == [KEY]
+    done = entry(cp)
+    assert (done.status, done.attempt) == (LedgerStatus.COMMITTED, 1)
+    assert done.proof == {"receipt": "receipt-o-1-40"}
+    (message,) = tool_messages(result)
+    assert (message.status, message.content) == ("success", "receipt-o-1-40")
+    log = kinds(cp, "t")
+    assert log.index("tool_failed") < log.index("effect_reconciled")
+    assert payloads(cp, "t", EventKind.TOOL_FAILED)[0]["error"]["maybe_sent"] is True
+
+
+def test_failure_after_send_with_precheck_not_done_reports_error(
+    cp: RecoveryCheckpointer,
+) -> None:
+    """TimeoutError, pre-check NotDone: the model sees the error; entry stays failed, maybe-sent."""
+    service = PaymentService(behaviours=["timeout"])
+
+    def nothing_found(key: str, args: dict[str, Any]) -> PrecheckOutcome:
+        service.prechecks.append(key)
+        return NotDone()
+
+    result = run(build(cp, charge_tool(service, precheck=nothing_found)), "t")
+
+    assert len(service.executions) == 1
+    assert service.prechecks == [KEY]
+    failed = entry(cp)
+    assert failed.status is LedgerStatus.FAILED
+    assert failed.error is not None
+    assert failed.error["maybe_sent"] is True
+    assert tool_messages(result)[0].status == "error"
+    assert [p["outcome"] for p in payloads(cp, "t", EventKind.EFFECT_RECONCILED)] == ["not_done"]
+
+
+def test_failure_after_send_without_precheck_non_idempotent_is_uncertain(
+    cp: RecoveryCheckpointer,
+) -> None:
+    """TimeoutError, no pre-check, not idempotent: SideEffectUncertain, entry uncertain, 1 call."""
+    service = PaymentService(behaviours=["timeout"])
+    graph = build(cp, charge_tool(service))
+
+    with pytest.raises(SideEffectUncertain, match="TimeoutError"):
+        run(graph, "t")
+
+    assert len(service.executions) == 1
+    uncertain = entry(cp)
+    assert uncertain.status is LedgerStatus.UNCERTAIN
+    assert uncertain.error is not None
+    assert uncertain.error["maybe_sent"] is True
+    with pytest.raises(SideEffectUncertain):
+        resume(graph, "t")
+    assert len(service.executions) == 1
