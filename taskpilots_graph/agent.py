@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage
 from langchain_core.runnables import Runnable, RunnableLambda
 from langchain_core.tools import BaseTool
 from langgraph.graph import END, START, StateGraph
@@ -14,16 +14,24 @@ from langgraph.graph.state import CompiledStateGraph
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.nodes.executor import RecoveryExecutor
+from taskpilots_graph.nodes.compensate import CompensateNode
+from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
+from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode, fail_run
+from taskpilots_graph.nodes.takeover import TakeoverNode
 from taskpilots_graph.nodes.think import ThinkNode
+from taskpilots_graph.policy import ModelPolicy, ToolPolicy
 from taskpilots_graph.state import RecoveryState
 
 __all__ = ["create_recovery_agent"]
 
 
-def _route(state: dict[str, Any]) -> str:
-    last = state["messages"][-1] if state["messages"] else None
-    return "act" if isinstance(last, AIMessage) and last.tool_calls else END
+def _after_act(state: dict[str, Any]) -> str:
+    _, calls = pending_calls(state["messages"])
+    return "recover" if calls else "think"
+
+
+def _node(invoke: Any, ainvoke: Any, name: str) -> Runnable[Any, Any]:
+    return RunnableLambda(invoke, afunc=ainvoke, name=name)
 
 
 def create_recovery_agent(
@@ -31,45 +39,89 @@ def create_recovery_agent(
     tools: Sequence[BaseTool],
     *,
     checkpointer: RecoveryAPI,
+    policies: Mapping[str, ToolPolicy] | None = None,
+    default_policy: ToolPolicy | None = None,
+    model_policy: ModelPolicy | None = None,
+    max_steps: int = 50,
     prompt: str | None = None,
     name: str = "recovery_agent",
+    rng: random.Random | None = None,
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """Build a think → act loop that continues from the right place after any failure.
 
-    The think node asks the model; the act node runs its tool calls, ``@side_effect`` tools
-    through the ledger, and records the observations, so the checkpoint after it is the
-    recovery anchor. The loop ends when the model answers without tool calls.
+    ``think`` asks the model; ``act`` runs its tool calls (``@side_effect`` tools through the
+    ledger) and records the observations, so the checkpoint after it is the recovery anchor.
+    A failed call goes to ``recover``, which retries that step only (``wait``), degrades to a
+    fallback, reports the error to the model, asks a person (``takeover``), undoes committed
+    effects (``compensate``) or fails the run (``fail``), as the tool's policy says. The loop
+    ends when the model answers without tool calls.
 
     Example:
         >>> with tp.RecoveryCheckpointer.from_conn_string("sqlite:///runs.db") as cp:
-        ...     graph = tp.create_recovery_agent(model, [lookup, create_ticket], checkpointer=cp)
+        ...     graph = tp.create_recovery_agent(
+        ...         model, [kb_search, kb_backup, create_ticket], checkpointer=cp,
+        ...         policies={"kb_search": tp.ToolPolicy(max_attempts=5, fallback=["kb_backup"])},
+        ...     )
         ...     graph.invoke({"messages": [("user", goal)]}, {"configurable": {"thread_id": "t-1"}})
         ... # doctest: +SKIP
 
     Args:
         model: A chat model supporting ``bind_tools``.
-        tools: The tools the model may call.
+        tools: The tools the model may call, fallbacks included.
         checkpointer: A :class:`RecoveryCheckpointer` or :class:`AsyncRecoveryCheckpointer`.
+        policies: Recovery policies by tool name (validated against ``tools`` here).
+        default_policy: The policy of tools without one (default: ``ToolPolicy()``).
+        model_policy: Fallback models for model failures.
+        max_steps: Model decisions per user turn before the run counts as stuck.
         prompt: Optional system prompt.
         name: The graph's name.
+        rng: Source of backoff jitter (tests pass a seeded one).
 
     Raises:
-        ConfigurationError: If the checkpointer is not a recovery checkpointer, or tool
-            names repeat.
+        ConfigurationError: If the checkpointer is not a recovery checkpointer, tool names
+            repeat, or a policy does not fit the tools.
     """
     if not isinstance(checkpointer, RecoveryAPI):
         raise ConfigurationError(
             "create_recovery_agent needs checkpointer=RecoveryCheckpointer(...) or "
             f"AsyncRecoveryCheckpointer(...), got {type(checkpointer).__name__}"
         )
-    think = ThinkNode(model, tools, checkpointer=checkpointer, prompt=prompt)
-    act = RecoveryExecutor(tools, checkpointer=checkpointer)
+    act = RecoveryExecutor(
+        tools, checkpointer=checkpointer, policies=policies, default_policy=default_policy
+    )
+    think = ThinkNode(
+        model,
+        tools,
+        checkpointer=checkpointer,
+        prompt=prompt,
+        model_policy=model_policy,
+        max_steps=max_steps,
+    )
+    router = RecoveryRouter(act, checkpointer=checkpointer, rng=rng)
+    wait = WaitNode(act)
+    takeover = TakeoverNode(checkpointer=checkpointer)
+    compensate = CompensateNode(act, checkpointer=checkpointer)
     builder = StateGraph(RecoveryState)
-    think_node: Runnable[Any, Any] = RunnableLambda(think.invoke, afunc=think.ainvoke, name="think")
-    act_node: Runnable[Any, Any] = RunnableLambda(act.invoke, afunc=act.ainvoke, name="act")
-    builder.add_node("think", think_node)
-    builder.add_node("act", act_node)
+    builder.add_node(
+        "think", _node(think.invoke, think.ainvoke, "think"), destinations=("act", "takeover", END)
+    )
+    builder.add_node("act", _node(act.invoke, act.ainvoke, "act"))
+    builder.add_node(
+        "recover",
+        _node(router.invoke, router.ainvoke, "recover"),
+        destinations=("act", "wait", "takeover", "compensate", "fail", "think"),
+    )
+    builder.add_node("wait", _node(wait.invoke, wait.ainvoke, "wait"), destinations=("act",))
+    builder.add_node(
+        "takeover",
+        _node(takeover.invoke, takeover.ainvoke, "takeover"),
+        destinations=("act", "think", "compensate"),
+    )
+    builder.add_node("compensate", _node(compensate.invoke, compensate.ainvoke, "compensate"))
+    fail_invoke, fail_ainvoke = fail_run(checkpointer)
+    builder.add_node("fail", _node(fail_invoke, fail_ainvoke, "fail"))
     builder.add_edge(START, "think")
-    builder.add_conditional_edges("think", _route, ["act", END])
-    builder.add_edge("act", "think")
+    builder.add_conditional_edges("act", _after_act, ["recover", "think"])
+    builder.add_edge("compensate", "fail")
+    builder.add_edge("fail", END)
     return builder.compile(checkpointer=checkpointer, name=name)

@@ -11,7 +11,8 @@ can catch the whole family at once and still tell the cases apart by type::
     │   ├── MigrationError          the schema is newer than this library, or half-applied
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
     ├── PendingTakeover             the thread waits on a person's decision
-    └── ThreadNotFound              no checkpoint exists for the thread id
+    ├── ThreadNotFound              no checkpoint exists for the thread id
+    └── ToolWaiting                 the run stopped to wait for a tool until ``retry_at``
 
     SideEffectUncertain (in ledger.py) also derives from TaskPilotsError.
 
@@ -22,6 +23,7 @@ survive crossing a process boundary (workers, subprocess drills). LangGraph cont
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "StorageError",
     "TaskPilotsError",
     "ThreadNotFound",
+    "ToolWaiting",
     "UnsupportedOperation",
 ]
 
@@ -127,3 +130,17 @@ class PendingTakeover(TaskPilotsError):
         )
         self.thread_id = thread_id
         self.interrupt_ids = interrupt_ids
+
+
+class ToolWaiting(TaskPilotsError):
+    """The run stopped to wait out a tool failure longer than an in-process sleep.
+
+    The thread's state says ``waiting_tool`` with ``retry_at``; ``resume`` after that time
+    continues with the waiting step (the supervisor does this on its own).
+    """
+
+    def __init__(self, thread_id: str, retry_at: float) -> None:
+        when = datetime.fromtimestamp(retry_at, UTC).isoformat(timespec="seconds")
+        super().__init__(f"thread {thread_id!r} waits for a tool until {when}; resume it then")
+        self.thread_id = thread_id
+        self.retry_at = retry_at

@@ -41,6 +41,7 @@ class EventKind(StrEnum):
     AGENT_FINISHED = "agent_finished"
     # Recovery events.
     RUN_RESUMED = "run_resumed"
+    MODEL_FAILED = "model_failed"
     TOOL_SKIPPED = "tool_skipped"
     TOOL_PAUSED = "tool_paused"
     EFFECT_RECONCILED = "effect_reconciled"
@@ -96,11 +97,15 @@ def encode_payload(payload: Mapping[str, Any] | None) -> str:
             separators=(",", ":"),
             allow_nan=False,
         )
+        text.encode()  # lone surrogates cannot be stored by any backend
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"event payload must be JSON-serialisable: {exc}; convert values to str, "
             "numbers, lists or dicts, or store large data as an artifact"
         ) from exc
+    if "\\u0000" in text.replace("\\\\", ""):
+        # PostgreSQL cannot store NUL in text or JSONB; refuse it on every backend alike.
+        raise ConfigurationError("event payload contains a NUL character (\\x00); remove it")
     if len(text.encode()) > MAX_PAYLOAD_BYTES:
         raise ConfigurationError(
             f"event payload is {len(text.encode())} bytes, over the {MAX_PAYLOAD_BYTES} byte "
@@ -145,8 +150,6 @@ _TABLE = "taskpilots_events"
 
 
 def _decode_payload(raw: Any, key: str) -> dict[str, Any]:
-    if isinstance(raw, Mapping):  # PostgreSQL JSONB arrives decoded.
-        return dict(raw)
     if isinstance(raw, str | bytes):
         try:
             value = json.loads(raw, parse_constant=_reject_constant)

@@ -78,6 +78,8 @@ class FlowState(TypedDict, total=False):
         committed: Ledger keys of effects committed by this thread, in order.
         signatures: How often each failure signature occurred (stuck detection).
         reason: Why the run waits, escalated or failed.
+        budget_from: Index of the message from which the step budget counts (moved on by
+            a person's decision, so a decision buys a fresh budget).
     """
 
     stage: FlowStage
@@ -86,6 +88,7 @@ class FlowState(TypedDict, total=False):
     committed: list[str]
     signatures: dict[str, int]
     reason: str | None
+    budget_from: int
 
 
 def merge_steps(

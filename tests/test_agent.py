@@ -47,6 +47,7 @@ from taskpilots_graph import (
 )
 from taskpilots_graph.ledger import PrecheckOutcome, args_digest, default_key
 from taskpilots_graph.nodes._context import messages_digest
+from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.tools import spec_of
 
 GOAL = "look up customer c-7, then charge order o-1"
@@ -472,6 +473,10 @@ def _events_view(events: Sequence[Event]) -> list[tuple[int, str, Any]]:
     return [(e.seq, e.kind.value, _scrub(dict(e.payload))) for e in events]
 
 
+# One model call per decision, so the model's failure stops the run (and resume continues).
+NO_MODEL_RETRY = ModelPolicy(max_attempts=1)
+
+
 def _flaky_model() -> ScriptedModel:
     # The second question fails (a provider outage), so the run stops after the lookup.
     return ScriptedModel(
@@ -484,7 +489,9 @@ async def test_async_api_matches_sync_path(conn_string: str) -> None:
     sync_service, async_service = Service(), Service()
     with RecoveryCheckpointer.from_conn_string(conn_string) as cp:
         cp.setup()
-        graph = create_recovery_agent(_flaky_model(), sync_service.tools(), checkpointer=cp)
+        graph = create_recovery_agent(
+            _flaky_model(), sync_service.tools(), checkpointer=cp, model_policy=NO_MODEL_RETRY
+        )
         with pytest.raises(RuntimeError, match="unavailable"):
             graph.invoke(goal(), config("sync"))
         resume(graph, "sync")
@@ -492,7 +499,9 @@ async def test_async_api_matches_sync_path(conn_string: str) -> None:
 
     async with AsyncRecoveryCheckpointer.from_conn_string(conn_string) as acp:
         await acp.setup()
-        agraph = create_recovery_agent(_flaky_model(), async_service.tools(), checkpointer=acp)
+        agraph = create_recovery_agent(
+            _flaky_model(), async_service.tools(), checkpointer=acp, model_policy=NO_MODEL_RETRY
+        )
         with pytest.raises(RuntimeError, match="unavailable"):
             await agraph.ainvoke(goal(), config("async"))
         await aresume(agraph, "async")

@@ -11,8 +11,9 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 __all__ = ["CONNECTION_KWARGS", "open_async_pool", "open_pool"]
 
-# PostgresSaver.setup() needs autocommit; prepared statements break behind PgBouncer and
-# are disabled as LangGraph's own from_conn_string does; the saver reads rows as dicts.
+# The settings of LangGraph's own PostgresSaver.from_conn_string: setup() needs autocommit,
+# the saver reads rows as dicts, and prepare_threshold=0 prepares every statement on first
+# use (behind PgBouncer in transaction mode, pass a pool opened with prepare_threshold=None).
 CONNECTION_KWARGS: Final[dict[str, Any]] = {
     "autocommit": True,
     "prepare_threshold": 0,

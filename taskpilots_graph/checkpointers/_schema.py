@@ -170,8 +170,10 @@ SELECT_EVENTS: Final[dict[Dialect, str]] = {
         SELECT thread_id, seq, kind, ts, checkpoint_ns, checkpoint_id, payload
         FROM taskpilots_events WHERE thread_id = ? AND seq > ? ORDER BY seq
     """,
+    # payload::text: both dialects decode the same JSON text, so a JSONB string holding
+    # object-shaped text is reported corrupt instead of being decoded twice.
     "postgres": """
-        SELECT thread_id, seq, kind, ts, checkpoint_ns, checkpoint_id, payload
+        SELECT thread_id, seq, kind, ts, checkpoint_ns, checkpoint_id, payload::text
         FROM taskpilots_events WHERE thread_id = %s AND seq > %s ORDER BY seq
     """,
 }

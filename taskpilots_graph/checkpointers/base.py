@@ -133,8 +133,11 @@ def prepare_event(
         ConfigurationError: For an empty thread id, an unknown kind or a payload that is
             not JSON-serialisable or too large.
     """
-    if not isinstance(thread_id, str) or not thread_id:
-        raise ConfigurationError("thread_id must be a non-empty string")
+    for name, value in (("thread_id", thread_id), ("checkpoint_ns", checkpoint_ns)):
+        if not isinstance(value, str) or (name == "thread_id" and not value):
+            raise ConfigurationError(f"{name} must be a non-empty string")
+        if "\x00" in value or _unencodable(value):
+            raise ConfigurationError(f"{name} {value!r} contains characters no backend can store")
     try:
         event_kind = EventKind(kind)
     except ValueError as exc:
@@ -148,6 +151,14 @@ def prepare_event(
         checkpoint_id=checkpoint_id,
         payload=encode_payload(payload),
     )
+
+
+def _unencodable(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def rows_to_events(rows: Iterable[Sequence[Any]]) -> list[Event]:

@@ -46,7 +46,7 @@ class MemoryStore:
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         with self._lock:
-            return list(self._events.get(thread_id, ())[after_seq:])
+            return [e for e in self._events.get(thread_id, ()) if e.seq > after_seq]
 
     def delete_thread(self, thread_id: str) -> None:
         with self._lock:

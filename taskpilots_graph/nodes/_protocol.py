@@ -8,8 +8,8 @@ lets tests drive the protocol step by step.
 
 from __future__ import annotations
 
+import platform
 import socket
-import sys
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -22,6 +22,7 @@ from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, du
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
 from taskpilots_graph.ledger import (
     PAUSED,
     Done,
@@ -54,6 +55,23 @@ __all__ = [
 
 SUMMARY_CHARS = 2048
 """Raw responses and errors are truncated to this many characters in events."""
+
+
+def _library_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("taskpilots-graph")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
+ENVIRONMENT: dict[str, str] = {
+    "library_version": _library_version(),
+    "python_version": platform.python_version(),
+    "host": socket.gethostname(),
+}
+"""Recorded with every failure: where it happened."""
 
 # Errors raised before a request can have left the process: retrying them is safe.
 _NOT_SENT: tuple[type[BaseException], ...] = (
@@ -90,14 +108,16 @@ class CallContext:
     tool_call_id: str | None
     spec: SideEffectSpec | None
     key: str
+    rules: tuple[Rule, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class CallOutcome:
-    """How a call ended: a result (fresh or recorded) or the tool's exception."""
+    """How a call ended: a result (fresh or recorded), or the tool's exception classified."""
 
     result: Any = None
     error: BaseException | None = None
+    failure: Failure | None = None
     replayed: bool = False
 
 
@@ -182,12 +202,24 @@ def _event(ctx: CallContext, kind: EventKind, **payload: Any) -> EventRecord:
     )
 
 
-def _error_info(exc: BaseException, maybe_sent: bool) -> dict[str, Any]:
-    return {
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": _truncate(str(exc)),
-        "maybe_sent": maybe_sent,
-    }
+def _error_info(failure: Failure, maybe_sent: bool) -> dict[str, Any]:
+    return {"type": failure.error_type, "message": failure.message, "maybe_sent": maybe_sent}
+
+
+def _failed_event(
+    ctx: CallContext, failure: Failure, maybe_sent: bool, attempt: int
+) -> EventRecord:
+    # The complete failure context, so the log alone explains what happened.
+    return _event(
+        ctx,
+        EventKind.TOOL_FAILED,
+        args=dict(ctx.args),
+        attempt=attempt,
+        maybe_sent=maybe_sent,
+        failure=failure_payload(failure),
+        at=_now().isoformat(),
+        **ENVIRONMENT,
+    )
 
 
 def run_call(ctx: CallContext) -> Protocol:
@@ -219,9 +251,9 @@ def _pure_call(ctx: CallContext) -> Protocol:
     except GraphBubbleUp:
         raise  # an interrupt inside the tool: LangGraph control flow, not a failure
     except Exception as exc:
-        info = _error_info(exc, may_have_reached_service(exc))
-        yield WriteEvent(_event(ctx, EventKind.TOOL_FAILED, args=dict(ctx.args), error=info))
-        return CallOutcome(error=exc)
+        failure = classify(exc, ctx.rules)
+        yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), 1))
+        return CallOutcome(error=exc, failure=failure)
     yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, result=_truncate(str(result))))
     return CallOutcome(result=result)
 
@@ -339,16 +371,10 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
 
 def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol:
     maybe_sent = may_have_reached_service(exc)
-    info = _error_info(exc, maybe_sent)
+    failure = classify(exc, ctx.rules)
+    info = _error_info(failure, maybe_sent)
     failed = replace(intended, status=LedgerStatus.FAILED, error=info, updated_at=_now())
-    event = _event(
-        ctx,
-        EventKind.TOOL_FAILED,
-        args=dict(ctx.args),
-        attempt=intended.attempt,
-        error=info,
-        python=sys.version.split()[0],
-    )
+    event = _failed_event(ctx, failure, maybe_sent, intended.attempt)
     yield WriteEntry(failed, (LedgerStatus.INTENDED, intended.attempt), event)
     if maybe_sent:
         settled = yield from _reconcile(
@@ -356,7 +382,7 @@ def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol
         )
         if settled is not None:
             return settled
-    return CallOutcome(error=exc)
+    return CallOutcome(error=exc, failure=failure)
 
 
 def _uncertain(ctx: CallContext, reason: str) -> SideEffectUncertain:

@@ -1,12 +1,15 @@
 """The executor ("act") node: runs the model's tool calls, side effects through the ledger.
 
-For every tool call of the last ``AIMessage`` it runs the ledger protocol of
+For every pending tool call of the last ``AIMessage`` it runs the ledger protocol of
 :mod:`taskpilots_graph.nodes._protocol`: a side-effecting tool is intended durably before it
 runs and committed after; on a re-run (retry, resume after a crash) the ledger decides
 whether to return the recorded result, ask the pre-check, execute again, or stop with
-:class:`~taskpilots_graph.ledger.SideEffectUncertain`. It also *observes*: the results become
-``ToolMessage``s and a ``step_completed`` event, so the checkpoint LangGraph writes after
-this node is the recovery anchor.
+:class:`~taskpilots_graph.ledger.SideEffectUncertain`.
+
+It also *observes*: a successful call becomes a ``ToolMessage``; a failed one is classified
+and recorded in its step record only (no message yet), for the recovery router to decide.
+Calls already answered are never run again, so a retry re-runs that step only. The
+checkpoint LangGraph writes after this node is the recovery anchor.
 
 Durable writes: each side effect costs two (intent, commit), each carrying its events; the
 events of pure tools and of the step are written in one batch at the end of the step.
@@ -16,20 +19,22 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from langchain_core.messages import AIMessage, ToolCall, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.errors import GraphBubbleUp
 
+from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.ledger import Unknown, default_key
+from taskpilots_graph.failures import failure_payload
+from taskpilots_graph.ledger import Unknown, args_digest, default_key
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
@@ -41,9 +46,32 @@ from taskpilots_graph.nodes._protocol import (
     WriteEvent,
     run_call,
 )
+from taskpilots_graph.policy import ToolPolicy, validate_policies
+from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import SideEffectTool, reset_invocation, set_invocation, spec_of
 
-__all__ = ["RecoveryExecutor"]
+__all__ = ["RecoveryExecutor", "pending_calls"]
+
+
+def pending_calls(messages: Sequence[BaseMessage]) -> tuple[AIMessage | None, list[ToolCall]]:
+    """The last model message with tool calls, and those of its calls not answered yet."""
+    answered: set[str] = set()
+    for message in reversed(messages):
+        if isinstance(message, ToolMessage):
+            answered.add(message.tool_call_id)
+        elif isinstance(message, AIMessage):
+            if not message.tool_calls:
+                return None, []
+            return message, [c for c in message.tool_calls if c["id"] not in answered]
+    return None, []
+
+
+@dataclass
+class _Call:
+    call: ToolCall
+    tool: BaseTool | None
+    ctx: CallContext
+    record: StepRecord
 
 
 @dataclass
@@ -52,7 +80,9 @@ class _Step:
 
     ctx: RunContext
     ai: AIMessage
-    calls: list[tuple[ToolCall, BaseTool | None, CallContext]]
+    calls: list[_Call]
+    first_time: bool
+    signatures_seen: Mapping[str, int]
     pending: list[EventRecord] = field(default_factory=list)
 
     def take_pending(self) -> list[EventRecord]:
@@ -66,32 +96,32 @@ def _content(result: Any) -> str:
     return json.dumps(result, default=str, ensure_ascii=False)
 
 
-def _tool_message(call: ToolCall, outcome: CallOutcome) -> ToolMessage:
-    if outcome.error is not None:
-        return ToolMessage(
-            content=f"Error: {type(outcome.error).__name__}: {outcome.error}",
-            tool_call_id=call["id"] or "",
-            name=call["name"],
-            status="error",
-        )
+def error_message(call: ToolCall, text: str) -> ToolMessage:
+    """The error answer to a tool call, as the model will see it."""
     return ToolMessage(
-        content=_content(outcome.result), tool_call_id=call["id"] or "", name=call["name"]
+        content=text, tool_call_id=call["id"] or "", name=call["name"], status="error"
     )
 
 
 class RecoveryExecutor:
-    """The act node: use it in a ``StateGraph`` whose state has a ``messages`` channel.
-
-    Example:
-        >>> builder.add_node("act", RecoveryExecutor(tools, checkpointer=cp).as_runnable())
-        ... # doctest: +SKIP
+    """The act node: use it in a ``StateGraph`` with the channels of ``RecoveryState``.
 
     Args:
-        tools: The tools the model may call; ``@side_effect`` tools go through the ledger.
+        tools: The tools the model may call (and their fallbacks); ``@side_effect`` tools go
+            through the ledger.
         checkpointer: The recovery checkpointer the graph is compiled with.
+        policies: Recovery policies by tool name; others use ``default_policy``.
+        default_policy: The policy of tools without one of their own.
     """
 
-    def __init__(self, tools: Sequence[BaseTool], *, checkpointer: RecoveryAPI) -> None:
+    def __init__(
+        self,
+        tools: Sequence[BaseTool],
+        *,
+        checkpointer: RecoveryAPI,
+        policies: Mapping[str, ToolPolicy] | None = None,
+        default_policy: ToolPolicy | None = None,
+    ) -> None:
         if not isinstance(checkpointer, RecoveryAPI):
             raise ConfigurationError(
                 "the recovery executor needs a RecoveryCheckpointer or "
@@ -101,56 +131,70 @@ class RecoveryExecutor:
         if len(self.tools) != len(tools):
             raise ConfigurationError("tool names must be unique")
         self.checkpointer = checkpointer
+        self.policies = validate_policies(policies, self.tools)
+        self.default_policy = default_policy or ToolPolicy()
+
+    def policy(self, tool: str) -> ToolPolicy:
+        """The policy that applies to ``tool``."""
+        return self.policies.get(tool, self.default_policy)
 
     # -- shared preparation and completion --------------------------------------------------
 
-    def _prepare(self, state: dict[str, Any], config: RunnableConfig) -> _Step | None:
-        messages = state["messages"]
-        ai = messages[-1] if messages else None
-        if not isinstance(ai, AIMessage) or not ai.tool_calls:
+    def _prepare(self, state: Mapping[str, Any], config: RunnableConfig) -> _Step | None:
+        ai, calls = pending_calls(state["messages"])
+        if ai is None or not calls:
             return None
         ctx = run_context(config)
-        calls = []
-        for call in ai.tool_calls:
-            tool = self.tools.get(call["name"])
+        steps: Mapping[str, StepRecord] = state.get("steps") or {}
+        now = _clock.now()
+        prepared = []
+        for call in calls:
+            record: StepRecord = dict(steps.get(call["id"] or "", {}))  # type: ignore[assignment]
+            retry_at = record.get("retry_at")
+            if record.get("status") == "awaiting_human" or (retry_at and retry_at > now):
+                continue  # not due: the router or a person decides when it runs
+            using = record.get("using") or call["name"]
+            tool = self.tools.get(using)
             spec = spec_of(tool) if tool is not None else None
             args = dict(call["args"])
-            if spec is not None and spec.key is not None:
-                key = spec.key(args)
-            else:
-                key = default_key(
+            key = (
+                spec.key(args)
+                if spec is not None and spec.key is not None
+                else default_key(
                     thread_id=ctx.thread_id,
                     checkpoint_ns=ctx.graph_ns,
                     tool_call_id=call["id"],
-                    tool=call["name"],
+                    tool=using,
                     args=args,
                 )
-            calls.append(
-                (
-                    call,
-                    tool,
-                    CallContext(
-                        thread_id=ctx.thread_id,
-                        checkpoint_ns=ctx.graph_ns,
-                        tool=call["name"],
-                        args=args,
-                        tool_call_id=call["id"],
-                        spec=spec,
-                        key=key,
-                    ),
+            )
+            call_ctx = CallContext(
+                thread_id=ctx.thread_id,
+                checkpoint_ns=ctx.graph_ns,
+                tool=using,
+                args=args,
+                tool_call_id=call["id"],
+                spec=spec,
+                key=key,
+                rules=tuple(self.policy(using).rules),
+            )
+            prepared.append(_Call(call, tool, call_ctx, record))
+        if not prepared:
+            return None
+        first_time = not any(c["id"] in steps for c in ai.tool_calls)
+        seen = (state.get("flow") or {}).get("signatures", {})
+        step = _Step(ctx, ai, prepared, first_time, dict(seen))
+        if first_time:
+            step.pending.append(
+                self._event(
+                    ctx,
+                    EventKind.LLM_DECIDED,
+                    tool_calls=[
+                        {"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls
+                    ],
+                    content=str(ai.content)[:SUMMARY_CHARS],
                 )
             )
-        step = _Step(ctx, ai, calls)
-        step.pending.append(
-            self._event(
-                ctx,
-                EventKind.LLM_DECIDED,
-                tool_calls=[
-                    {"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls
-                ],
-                content=str(ai.content)[:SUMMARY_CHARS],
-            )
-        )
         return step
 
     def _needs_decision_record(self, step: _Step) -> bool:
@@ -158,27 +202,92 @@ class RecoveryExecutor:
         # this node runs. Otherwise it may not be, and a crash would make the model decide
         # again with new tool-call ids (new keys): record the decision so that the think node
         # replays it instead.
-        return step.ctx.durability != "sync" and any(c.spec is not None for _, _, c in step.calls)
+        return (
+            step.first_time
+            and step.ctx.durability != "sync"
+            and any(c.ctx.spec is not None for c in step.calls)
+        )
 
-    def _finish(self, step: _Step, results: list[tuple[ToolCall, CallOutcome]]) -> dict[str, Any]:
-        messages = [_tool_message(call, outcome) for call, outcome in results]
+    def _settle(self, item: _Call, outcome: CallOutcome) -> tuple[StepRecord, ToolMessage | None]:
+        """The step record after one execution, and the answer to the model if settled."""
+        record = item.record
+        call = item.call
+        base: StepRecord = {
+            "tool_call_id": call["id"] or "",
+            "tool": call["name"],
+            "using": item.ctx.tool,
+            "args": dict(call["args"]),
+            "attempts": record.get("attempts", 0) + 1,
+            "calls": record.get("calls", 0) + 1,
+            "tried": list(record.get("tried", [])),
+            "key": item.ctx.key if item.ctx.spec is not None else None,
+            "retry_at": None,
+        }
+        if item.tool is None:
+            base.update({"status": "closed", "failure": None, "result": "unknown tool"})
+            return base, error_message(call, f"Error: unknown tool {item.ctx.tool!r}")
+        if outcome.failure is None:
+            content = _content(outcome.result)
+            base.update({"status": "closed", "failure": None, "result": content[:200]})
+            return base, ToolMessage(
+                content=content, tool_call_id=call["id"] or "", name=call["name"]
+            )
+        base.update(
+            {
+                "status": "waiting_tool",
+                "failure": failure_payload(outcome.failure),
+                "first_failed_at": record.get("first_failed_at") or _clock.now(),
+            }
+        )
+        return base, None
+
+    def _finish(self, step: _Step, outcomes: list[tuple[_Call, CallOutcome]]) -> dict[str, Any]:
+        messages: list[ToolMessage] = []
+        records: dict[str, StepRecord] = {}
+        committed: list[str] = []
+        signatures: list[str] = []
+        for item, outcome in outcomes:
+            record, message = self._settle(item, outcome)
+            records[record["tool_call_id"]] = record
+            if message is not None:
+                messages.append(message)
+                if item.ctx.spec is not None and outcome.failure is None:
+                    committed.append(item.ctx.key)
+            elif outcome.failure is not None:
+                signatures.append(
+                    f"{item.ctx.tool}|{outcome.failure.kind}|{outcome.failure.error_type}|"
+                    f"{args_digest(item.ctx.args)[:16]}"
+                )
         step.pending.append(
             self._event(
                 step.ctx,
                 EventKind.STEP_COMPLETED,
                 observations=[
                     {
-                        "tool": call["name"],
-                        "tool_call_id": call["id"],
-                        "status": "error" if outcome.error else "ok",
-                        "replayed": outcome.replayed,
-                        "summary": str(m.content)[:200],
+                        "tool": r["using"],
+                        "tool_call_id": r["tool_call_id"],
+                        "status": "ok"
+                        if r["status"] == "closed" and not r.get("failure")
+                        else "failed",
+                        "replayed": o.replayed,
+                        "summary": (r.get("result") or (r.get("failure") or {}).get("message", ""))[
+                            :200
+                        ],
                     }
-                    for (call, outcome), m in zip(results, messages, strict=True)
+                    for (_, o), r in zip(outcomes, records.values(), strict=True)
                 ],
             )
         )
-        return {"messages": messages}
+        update: dict[str, Any] = {"messages": messages, "steps": records}
+        if committed or signatures:
+            flow: dict[str, Any] = {}
+            if committed:
+                flow["committed"] = committed
+            if signatures:
+                # Counted per thread: the same failure again and again is a stuck loop.
+                flow["signatures"] = dict(_count(signatures, step.signatures_seen))
+            update["flow"] = flow
+        return update
 
     @staticmethod
     def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
@@ -186,39 +295,29 @@ class RecoveryExecutor:
             ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
         )
 
-    @staticmethod
-    def _unknown_tool(call: ToolCall) -> CallOutcome:
-        return CallOutcome(error=LookupError(f"unknown tool {call['name']!r}"))
-
     # -- sync driver -------------------------------------------------------------------------
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
-        """Run the step synchronously."""
+        """Run the pending calls synchronously."""
         step = self._prepare(state, config)
         if step is None:
             return {}
         cp = self.checkpointer
         if self._needs_decision_record(step):
-            digest = messages_digest(state["messages"][:-1])
+            digest = messages_digest(_before(state["messages"], step.ai))
             cp.record_decision(step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai))
-        results = []
+        outcomes = []
         try:
-            for call, tool, ctx in step.calls:
-                outcome = (
-                    self._unknown_tool(call)
-                    if tool is None
-                    else self._drive(step, ctx, tool, config)
-                )
-                results.append((call, outcome))
-            return self._finish(step, results)
+            for item in step.calls:
+                outcome = CallOutcome() if item.tool is None else self._drive(step, item, config)
+                outcomes.append((item, outcome))
+            return self._finish(step, outcomes)
         finally:
             cp.append_records(step.take_pending())
 
-    def _drive(
-        self, step: _Step, ctx: CallContext, tool: BaseTool, config: RunnableConfig
-    ) -> CallOutcome:
+    def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
-        gen = run_call(ctx)
+        gen = run_call(item.ctx)
         value: Any = None
         thrown: Exception | None = None
         while True:
@@ -236,11 +335,11 @@ class RecoveryExecutor:
             elif isinstance(request, WriteEvent):
                 step.pending.append(request.event)
             elif isinstance(request, RunPrecheck):
-                value = _precheck(ctx, request)
+                value = _precheck(item.ctx, request)
             else:
                 token = set_invocation(request.invocation)
                 try:
-                    value = _target(tool).invoke(dict(ctx.args), config)
+                    value = _target(item.tool).invoke(dict(item.ctx.args), config)
                 except Exception as exc:
                     # Handed to the protocol, which lets LangGraph control flow through.
                     thrown = exc
@@ -250,34 +349,30 @@ class RecoveryExecutor:
     # -- async driver ------------------------------------------------------------------------
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
-        """Run the step asynchronously."""
+        """Run the pending calls asynchronously."""
         step = self._prepare(state, config)
         if step is None:
             return {}
         cp = self.checkpointer
         if self._needs_decision_record(step):
-            digest = messages_digest(state["messages"][:-1])
+            digest = messages_digest(_before(state["messages"], step.ai))
             await cp.arecord_decision(
                 step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai)
             )
-        results = []
+        outcomes = []
         try:
-            for call, tool, ctx in step.calls:
+            for item in step.calls:
                 outcome = (
-                    self._unknown_tool(call)
-                    if tool is None
-                    else await self._adrive(step, ctx, tool, config)
+                    CallOutcome() if item.tool is None else await self._adrive(step, item, config)
                 )
-                results.append((call, outcome))
-            return self._finish(step, results)
+                outcomes.append((item, outcome))
+            return self._finish(step, outcomes)
         finally:
             await cp.aappend_records(step.take_pending())
 
-    async def _adrive(
-        self, step: _Step, ctx: CallContext, tool: BaseTool, config: RunnableConfig
-    ) -> CallOutcome:
+    async def _adrive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
-        gen = run_call(ctx)
+        gen = run_call(item.ctx)
         value: Any = None
         thrown: Exception | None = None
         while True:
@@ -295,18 +390,34 @@ class RecoveryExecutor:
             elif isinstance(request, WriteEvent):
                 step.pending.append(request.event)
             elif isinstance(request, RunPrecheck):
-                value = await _aprecheck(ctx, request)
+                value = await _aprecheck(item.ctx, request)
             else:
                 token = set_invocation(request.invocation)
                 try:
-                    value = await _target(tool).ainvoke(dict(ctx.args), config)
+                    value = await _target(item.tool).ainvoke(dict(item.ctx.args), config)
                 except Exception as exc:
                     thrown = exc
                 finally:
                     reset_invocation(token)
 
 
-def _target(tool: BaseTool) -> BaseTool:
+def _count(new: list[str], seen: Mapping[str, int]) -> Mapping[str, int]:
+    counts = dict(seen)
+    for signature in new:
+        counts[signature] = counts.get(signature, 0) + 1
+    return counts
+
+
+def _before(messages: Sequence[BaseMessage], ai: AIMessage) -> list[BaseMessage]:
+    """The conversation the model saw when it produced ``ai``."""
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index] is ai:
+            return list(messages[:index])
+    return list(messages)
+
+
+def _target(tool: BaseTool | None) -> BaseTool:
+    assert tool is not None, "unknown tools are answered without running"
     # Call the wrapped tool itself, so callbacks see one tool run, not two nested ones.
     return tool.tool if isinstance(tool, SideEffectTool) else tool
 
