@@ -11,8 +11,9 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import psycopg
 import pytest
 import redis
 from _services import (
@@ -24,6 +25,7 @@ from _services import (
     start_postgres,
     start_redis,
 )
+from psycopg import sql
 
 POSTGRES_URL_ENV = "TASKPILOTS_TEST_POSTGRES_URL"
 REDIS_URL_ENV = "TASKPILOTS_TEST_REDIS_URL"
@@ -89,3 +91,49 @@ def redis_url(redis_server: RedisServer) -> str:
 def sqlite_path(tmp_path: Path) -> str:
     """Path (not yet created) for a per-test SQLite database file."""
     return str(tmp_path / "runs.db")
+
+
+# --- a backend switch for tests of the recovery agent ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def postgres_db(postgres_admin_url: str) -> Iterator[str]:
+    """One set-up PostgreSQL database per test module (a new one per test costs ~1 s)."""
+    from taskpilots_graph import RecoveryCheckpointer
+
+    name = f"t_{uuid.uuid4().hex}"
+    url = create_database(postgres_admin_url, name)
+    with RecoveryCheckpointer.from_conn_string(url) as saver:
+        saver.setup()
+    yield url
+    drop_database(postgres_admin_url, name)
+
+
+def _emptied(url: str) -> str:
+    """Delete every row except the schema versions: the database is as good as new."""
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
+        tables = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
+            "AND tablename NOT LIKE '%migrations'"
+        ).fetchall()
+        for (table,) in tables:
+            conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
+    return url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def conn_string(request: pytest.FixtureRequest) -> str:
+    """Connection string of an empty, set-up database: a SQLite file or a PostgreSQL DB."""
+    if request.param == "sqlite":
+        return f"sqlite:///{request.getfixturevalue('sqlite_path')}"
+    return _emptied(request.getfixturevalue("postgres_db"))
+
+
+@pytest.fixture
+def cp(conn_string: str) -> Iterator[Any]:
+    """A set-up ``RecoveryCheckpointer`` on the test's database."""
+    from taskpilots_graph import RecoveryCheckpointer
+
+    with RecoveryCheckpointer.from_conn_string(conn_string) as saver:
+        saver.setup()
+        yield saver

@@ -8,14 +8,12 @@ PostgreSQL database; an in-process service records every effect so a repeat show
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 import pytest
-from _services import create_database, drop_database
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -23,7 +21,6 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import BaseTool, StructuredTool, tool
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, interrupt
-from psycopg import sql
 from pydantic import Field
 
 from taskpilots_graph import (
@@ -64,43 +61,7 @@ class SimulatedCrash(BaseException):
 # --- backends ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def postgres_db(postgres_admin_url: str) -> Iterator[str]:
-    """One set-up PostgreSQL database per module (a new one per test costs ~1 s)."""
-    name = f"t_{uuid.uuid4().hex}"
-    url = create_database(postgres_admin_url, name)
-    with RecoveryCheckpointer.from_conn_string(url) as saver:
-        saver.setup()
-    yield url
-    drop_database(postgres_admin_url, name)
-
-
-def _emptied(url: str) -> str:
-    """Delete every row except the schema versions: the database is as good as new."""
-    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
-        tables = conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
-            "AND tablename NOT LIKE '%migrations'"
-        ).fetchall()
-        for (table,) in tables:
-            conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
-    return url
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def conn_string(request: pytest.FixtureRequest) -> str:
-    """Connection string of an empty, set-up database: a SQLite file or a PostgreSQL DB."""
-    if request.param == "sqlite":
-        return f"sqlite:///{request.getfixturevalue('sqlite_path')}"
-    return _emptied(request.getfixturevalue("postgres_db"))
-
-
-@pytest.fixture
-def cp(conn_string: str) -> Iterator[RecoveryCheckpointer]:
-    """A set-up recovery checkpointer on the test's database."""
-    with RecoveryCheckpointer.from_conn_string(conn_string) as saver:
-        saver.setup()
-        yield saver
+# The backend fixtures (conn_string, cp) are in conftest.py.
 
 
 # --- the scripted model and the simulated service ---------------------------------------------

@@ -10,21 +10,18 @@ payment service saw, what the ledger now holds, and which events were logged.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 import pytest
-from _services import create_database, drop_database
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import BaseTool, tool
 from langgraph.graph.state import CompiledStateGraph
-from psycopg import sql
 from pydantic import Field
 
 from taskpilots_graph import (
@@ -43,6 +40,7 @@ from taskpilots_graph import (
     side_effect,
 )
 from taskpilots_graph.ledger import PrecheckOutcome, args_digest
+from taskpilots_graph.policy import ToolPolicy
 
 ARGS: dict[str, Any] = {"order": "o-1", "amount": 40}
 KEY = "biz:o-1"
@@ -50,43 +48,7 @@ KEY = "biz:o-1"
 # --- backends ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def postgres_db(postgres_admin_url: str) -> Iterator[str]:
-    """One set-up PostgreSQL database per module (a new one per test costs ~1 s)."""
-    name = f"t_{uuid.uuid4().hex}"
-    url = create_database(postgres_admin_url, name)
-    with RecoveryCheckpointer.from_conn_string(url) as saver:
-        saver.setup()
-    yield url
-    drop_database(postgres_admin_url, name)
-
-
-def _emptied(url: str) -> str:
-    """Delete every row except the schema versions: the database is as good as new."""
-    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
-        tables = conn.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() "
-            "AND tablename NOT LIKE '%migrations'"
-        ).fetchall()
-        for (table,) in tables:
-            conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
-    return url
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def conn_string(request: pytest.FixtureRequest) -> str:
-    """Connection string of an empty, set-up database: a SQLite file or a PostgreSQL DB."""
-    if request.param == "sqlite":
-        return f"sqlite:///{request.getfixturevalue('sqlite_path')}"
-    return _emptied(request.getfixturevalue("postgres_db"))
-
-
-@pytest.fixture
-def cp(conn_string: str) -> Iterator[RecoveryCheckpointer]:
-    """A set-up recovery checkpointer on the test's database."""
-    with RecoveryCheckpointer.from_conn_string(conn_string) as saver:
-        saver.setup()
-        yield saver
+# The backend fixtures (conn_string, cp) are in conftest.py.
 
 
 # --- the scripted model and the simulated service ---------------------------------------------
@@ -167,8 +129,15 @@ def charge_tool(service: PaymentService, **options: Any) -> BaseTool:
     return side_effect(charge, key=lambda a: f"biz:{a['order']}", **options)
 
 
+# One attempt, then the run fails: these tests look at what the ledger does with a single
+# execution; retries belong to the recovery router (tests/test_drills.py).
+SINGLE_ATTEMPT = ToolPolicy(max_attempts=1, on_exhausted="fail")
+
+
 def build(cp: RecoveryCheckpointer, tool_: BaseTool) -> CompiledStateGraph[Any, Any, Any, Any]:
-    return create_recovery_agent(ScriptedModel(), [tool_], checkpointer=cp)
+    return create_recovery_agent(
+        ScriptedModel(), [tool_], checkpointer=cp, default_policy=SINGLE_ATTEMPT
+    )
 
 
 def run(graph: CompiledStateGraph[Any, Any, Any, Any], thread_id: str) -> dict[str, Any]:
@@ -388,7 +357,7 @@ def test_failure_before_send_is_recorded_as_not_sent(
     assert expected in str(message.content)
     assert service.prechecks == []  # nothing can have happened: no need to ask
     assert service.receipts == {}
-    assert [p["error"]["maybe_sent"] for p in payloads(cp, "t", EventKind.TOOL_FAILED)] == [False]
+    assert [p["maybe_sent"] for p in payloads(cp, "t", EventKind.TOOL_FAILED)] == [False]
 
 
 def test_retry_after_failure_before_send_executes_with_same_key(cp: RecoveryCheckpointer) -> None:
@@ -422,7 +391,7 @@ def test_failure_after_send_with_precheck_done_commits_without_repeat(
     assert (message.status, message.content) == ("success", "receipt-o-1-40")
     log = kinds(cp, "t")
     assert log.index("tool_failed") < log.index("effect_reconciled")
-    assert payloads(cp, "t", EventKind.TOOL_FAILED)[0]["error"]["maybe_sent"] is True
+    assert payloads(cp, "t", EventKind.TOOL_FAILED)[0]["maybe_sent"] is True
 
 
 def test_failure_after_send_with_precheck_not_done_reports_error(
