@@ -18,9 +18,11 @@ from taskpilots_graph.errors import (
     StorageError,
     TaskPilotsError,
     ThreadNotFound,
+    ToolWaiting,
     UnsupportedOperation,
 )
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.failures import Failure, FailureKind, classify
 from taskpilots_graph.ledger import (
     Done,
     LedgerEntry,
@@ -30,10 +32,15 @@ from taskpilots_graph.ledger import (
     SideEffectUncertain,
     Unknown,
 )
+from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor
+from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode
+from taskpilots_graph.nodes.takeover import TakeoverNode
 from taskpilots_graph.nodes.think import ThinkNode
+from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
+from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
 from taskpilots_graph.runner import aresume, resume
-from taskpilots_graph.state import RecoveryState
+from taskpilots_graph.state import FlowState, RecoveryState, StepRecord
 from taskpilots_graph.tools import Invocation, SideEffectTool, current_invocation, side_effect
 
 try:
@@ -42,35 +49,51 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "Action",
     "AsyncRecoveryCheckpointer",
+    "Backoff",
+    "CompensateNode",
     "ConfigurationError",
     "CorruptRecordError",
     "Done",
     "Event",
     "EventKind",
+    "Failure",
+    "FailureKind",
+    "FlowState",
     "Invocation",
     "LedgerConflict",
     "LedgerEntry",
     "LedgerStatus",
     "MigrationError",
+    "ModelPolicy",
     "NotDone",
     "PendingTakeover",
     "RecoveryCheckpointer",
+    "RecoveryDecision",
     "RecoveryExecutor",
+    "RecoveryRouter",
     "RecoveryState",
     "SideEffectSpec",
     "SideEffectTool",
     "SideEffectUncertain",
+    "StepRecord",
     "StorageError",
+    "TakeoverNode",
     "TaskPilotsError",
     "ThinkNode",
     "ThreadNotFound",
+    "ToolPolicy",
+    "ToolWaiting",
     "Unknown",
     "UnsupportedOperation",
+    "WaitNode",
     "__version__",
     "aresume",
+    "classify",
     "create_recovery_agent",
     "current_invocation",
+    "decide_recovery",
     "resume",
     "side_effect",
 ]

@@ -254,10 +254,18 @@ class RecoveryExecutor:
                 if item.ctx.spec is not None and outcome.failure is None:
                     committed.append(item.ctx.key)
             elif outcome.failure is not None:
-                signatures.append(
-                    f"{item.ctx.tool}|{outcome.failure.kind}|{outcome.failure.error_type}|"
-                    f"{args_digest(item.ctx.args)[:16]}"
-                )
+                previous = item.record.get("failure") or {}
+                same_as_before = (previous.get("kind"), previous.get("error_type")) == (
+                    outcome.failure.kind.value,
+                    outcome.failure.error_type,
+                ) and item.record.get("using") == item.ctx.tool
+                # A signature counts once per tool call: retries of one step are bounded by
+                # the policy; the same failure across *new* calls is what a stuck loop is.
+                if not same_as_before:
+                    signatures.append(
+                        f"{item.ctx.tool}|{outcome.failure.kind}|{outcome.failure.error_type}|"
+                        f"{args_digest(item.ctx.args)[:16]}"
+                    )
         step.pending.append(
             self._event(
                 step.ctx,
