@@ -8,15 +8,27 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from taskpilots_graph.agent import create_recovery_agent
-from taskpilots_graph.checkpointers import AsyncRecoveryCheckpointer, RecoveryCheckpointer
+from taskpilots_graph.checkpointers import (
+    ArtifactRef,
+    ArtifactStore,
+    AsyncRecoveryCheckpointer,
+    FileArtifactStore,
+    RecoveryCheckpointer,
+)
 from taskpilots_graph.errors import (
+    ArtifactNotFound,
     ConfigurationError,
     CorruptRecordError,
+    InvalidDecision,
+    LeaseLost,
     LedgerConflict,
+    LockBackendUnavailable,
     MigrationError,
+    NoPendingTakeover,
     PendingTakeover,
     StorageError,
     TaskPilotsError,
+    ThreadBusy,
     ThreadNotFound,
     ToolWaiting,
     UnsupportedOperation,
@@ -36,11 +48,20 @@ from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode
 from taskpilots_graph.nodes.takeover import TakeoverNode
-from taskpilots_graph.nodes.think import ThinkNode
+from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
+from taskpilots_graph.prompts import ResumeFacts, build_resume_prompt, resume_facts
 from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
-from taskpilots_graph.runner import aresume, resume
+from taskpilots_graph.runner import (
+    adecide,
+    apending_takeovers,
+    aresume,
+    decide,
+    pending_takeovers,
+    resume,
+)
 from taskpilots_graph.state import FlowState, RecoveryState, StepRecord
+from taskpilots_graph.takeover import Decision, TakeoverRequest
 from taskpilots_graph.tools import Invocation, SideEffectTool, current_invocation, side_effect
 
 try:
@@ -50,23 +71,32 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "Action",
+    "ArtifactNotFound",
+    "ArtifactRef",
+    "ArtifactStore",
     "AsyncRecoveryCheckpointer",
     "Backoff",
     "CompensateNode",
     "ConfigurationError",
     "CorruptRecordError",
+    "Decision",
     "Done",
     "Event",
     "EventKind",
     "Failure",
     "FailureKind",
+    "FileArtifactStore",
     "FlowState",
+    "InvalidDecision",
     "Invocation",
+    "LeaseLost",
     "LedgerConflict",
     "LedgerEntry",
     "LedgerStatus",
+    "LockBackendUnavailable",
     "MigrationError",
     "ModelPolicy",
+    "NoPendingTakeover",
     "NotDone",
     "PendingTakeover",
     "RecoveryCheckpointer",
@@ -74,14 +104,18 @@ __all__ = [
     "RecoveryExecutor",
     "RecoveryRouter",
     "RecoveryState",
+    "ResumeContext",
+    "ResumeFacts",
     "SideEffectSpec",
     "SideEffectTool",
     "SideEffectUncertain",
     "StepRecord",
     "StorageError",
     "TakeoverNode",
+    "TakeoverRequest",
     "TaskPilotsError",
     "ThinkNode",
+    "ThreadBusy",
     "ThreadNotFound",
     "ToolPolicy",
     "ToolWaiting",
@@ -89,11 +123,17 @@ __all__ = [
     "UnsupportedOperation",
     "WaitNode",
     "__version__",
+    "adecide",
+    "apending_takeovers",
     "aresume",
+    "build_resume_prompt",
     "classify",
     "create_recovery_agent",
     "current_invocation",
+    "decide",
     "decide_recovery",
+    "pending_takeovers",
     "resume",
+    "resume_facts",
     "side_effect",
 ]

@@ -18,7 +18,7 @@ from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode, fail_run
 from taskpilots_graph.nodes.takeover import TakeoverNode
-from taskpilots_graph.nodes.think import ThinkNode
+from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import ModelPolicy, ToolPolicy
 from taskpilots_graph.state import RecoveryState
 
@@ -43,6 +43,7 @@ def create_recovery_agent(
     default_policy: ToolPolicy | None = None,
     model_policy: ModelPolicy | None = None,
     max_steps: int = 50,
+    resume_context: ResumeContext | None = None,
     prompt: str | None = None,
     name: str = "recovery_agent",
     rng: random.Random | None = None,
@@ -73,6 +74,8 @@ def create_recovery_agent(
         default_policy: The policy of tools without one (default: ``ToolPolicy()``).
         model_policy: Fallback models for model failures.
         max_steps: Model decisions per user turn before the run counts as stuck.
+        resume_context: How a resumed run is re-anchored (prompt language and budget,
+            refreshers of stale data, acknowledgement).
         prompt: Optional system prompt.
         name: The graph's name.
         rng: Source of backoff jitter (tests pass a seeded one).
@@ -96,6 +99,7 @@ def create_recovery_agent(
         prompt=prompt,
         model_policy=model_policy,
         max_steps=max_steps,
+        resume_context=resume_context,
     )
     router = RecoveryRouter(act, checkpointer=checkpointer, rng=rng)
     wait = WaitNode(act)

@@ -4,13 +4,19 @@ Every error the library raises on purpose derives from :class:`TaskPilotsError`,
 can catch the whole family at once and still tell the cases apart by type::
 
     TaskPilotsError
+    ├── ArtifactNotFound            no artifact is stored under the id (also LookupError)
     ├── ConfigurationError          a policy, connection string or setup mistake
+    │   └── InvalidDecision         a takeover decision that does not validate
+    ├── LeaseLost                   our lease expired or was taken: stop before the next effect
     ├── StorageError                the recovery store cannot do what was asked
     │   ├── CorruptRecordError      a stored row cannot be decoded (never "not found")
     │   ├── LedgerConflict          another run moved the same ledger entry first
+    │   ├── LockBackendUnavailable  the lease/lock store is unreachable: fail closed
     │   ├── MigrationError          the schema is newer than this library, or half-applied
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
     ├── PendingTakeover             the thread waits on a person's decision
+    ├── NoPendingTakeover           a decision for a thread that waits on nobody
+    ├── ThreadBusy                  another process holds the lease (thread or business lock)
     ├── ThreadNotFound              no checkpoint exists for the thread id
     └── ToolWaiting                 the run stopped to wait for a tool until ``retry_at``
 
@@ -27,13 +33,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 __all__ = [
+    "ArtifactNotFound",
     "ConfigurationError",
     "CorruptRecordError",
+    "InvalidDecision",
+    "LeaseLost",
     "LedgerConflict",
+    "LockBackendUnavailable",
     "MigrationError",
+    "NoPendingTakeover",
     "PendingTakeover",
     "StorageError",
     "TaskPilotsError",
+    "ThreadBusy",
     "ThreadNotFound",
     "ToolWaiting",
     "UnsupportedOperation",
@@ -58,6 +70,10 @@ def _rebuild(cls: type[TaskPilotsError], args: tuple[Any, ...], state: dict[str,
 
 class ConfigurationError(TaskPilotsError, ValueError):
     """A setting, policy or connection string is invalid; the message says how to fix it."""
+
+
+class InvalidDecision(ConfigurationError):
+    """A takeover decision is malformed; nothing was recorded or changed."""
 
 
 class StorageError(TaskPilotsError):
@@ -144,3 +160,77 @@ class ToolWaiting(TaskPilotsError):
         super().__init__(f"thread {thread_id!r} waits for a tool until {when}; resume it then")
         self.thread_id = thread_id
         self.retry_at = retry_at
+
+
+class NoPendingTakeover(TaskPilotsError):
+    """A decision was given for a thread that is not waiting on a person (or not any more:
+    each decision is consumed once)."""
+
+    def __init__(self, thread_id: str) -> None:
+        super().__init__(f"thread {thread_id!r} is not waiting on a person; nothing to decide")
+        self.thread_id = thread_id
+
+
+class ArtifactNotFound(TaskPilotsError, LookupError):
+    """No artifact is stored under the given id.
+
+    A stored artifact whose bytes no longer match its id raises :class:`CorruptRecordError`
+    instead: "missing" and "damaged" call for different repairs.
+    """
+
+    def __init__(self, artifact_id: str) -> None:
+        super().__init__(f"no artifact is stored under id {artifact_id!r}")
+        self.artifact_id = artifact_id
+
+
+class ThreadBusy(TaskPilotsError):
+    """Another process holds the lease on this name (a thread, or a business object).
+
+    Raised instead of running anyway: two runners on one thread would silently lose each
+    other's writes (LangGraph #8796), and two agents on one business object would both
+    perform its side effect. ``holder`` is the owner token of the current holder (host, pid
+    and a random part), or ``None`` if it let go between our attempt and the lookup.
+    """
+
+    def __init__(self, name: str, holder: str | None, *, expires_at: float | None = None) -> None:
+        who = f"held by {holder!r}" if holder is not None else "held by another owner"
+        until = ""
+        if expires_at is not None:
+            when = datetime.fromtimestamp(expires_at, UTC).isoformat(timespec="milliseconds")
+            until = f" until {when} unless renewed"
+        super().__init__(f"{name!r} is {who}{until}; nothing was run a second time")
+        self.name = name
+        self.holder = holder
+        self.expires_at = expires_at
+
+
+class LeaseLost(TaskPilotsError):
+    """A lease we held expired or was taken over: we no longer own its name.
+
+    Raised by ``renew`` and by a holder's ``check()``. Work done after this point could
+    overlap with a new holder's, so stop before the next side effect (the new holder's
+    higher fencing token is what protects the resources themselves).
+    """
+
+    def __init__(self, name: str, reason: str, *, fencing: int | None = None) -> None:
+        token = "" if fencing is None else f" (fencing token {fencing})"
+        super().__init__(f"lease {name!r}{token} was lost: {reason}; stop before the next effect")
+        self.name = name
+        self.reason = reason
+        self.fencing = fencing
+
+
+class LockBackendUnavailable(StorageError):
+    """The lease and lock store (Redis, PostgreSQL, a SQLite file) cannot be reached.
+
+    Side effects fail closed on it: the caller waits or escalates, it never runs the effect
+    without the lock.
+    """
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(
+            f"the {backend} lock backend is unreachable ({reason}); "
+            "nothing was run without the lock"
+        )
+        self.backend = backend
+        self.reason = reason

@@ -41,6 +41,7 @@ class EventKind(StrEnum):
     AGENT_FINISHED = "agent_finished"
     # Recovery events.
     RUN_RESUMED = "run_resumed"
+    RESUME_CONTEXT = "resume_context"
     MODEL_FAILED = "model_failed"
     TOOL_SKIPPED = "tool_skipped"
     TOOL_PAUSED = "tool_paused"

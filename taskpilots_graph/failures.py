@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from taskpilots_graph.ledger import SideEffectUncertain
+
 __all__ = [
     "Failure",
     "FailureKind",
@@ -129,6 +131,7 @@ def _optional_types(module: str, names: Iterable[str]) -> tuple[type[BaseExcepti
 
 # Ordered: the first matching row wins, so subclasses come before their bases.
 _TYPE_TABLE: tuple[tuple[tuple[type[BaseException], ...], FailureKind], ...] = (
+    ((SideEffectUncertain,), FailureKind.SIDE_EFFECT_UNCERTAIN),
     (_optional_types("httpx", ["TimeoutException"]), FailureKind.TRANSIENT),
     (_optional_types("httpx", ["ConnectError"]), FailureKind.EXTERNAL_OUTAGE),
     (_optional_types("httpx", ["NetworkError", "RemoteProtocolError"]), FailureKind.TRANSIENT),

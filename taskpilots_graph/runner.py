@@ -1,19 +1,30 @@
-"""Running threads after the fact: ``resume`` a thread by id, in any process."""
+"""Running threads after the fact, in any process: ``resume`` a thread by id, list the
+threads waiting on a person with ``pending_takeovers``, and answer them with ``decide``."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
-from langgraph.types import StateSnapshot
+from langgraph.types import Command, StateSnapshot
 
+from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.errors import ConfigurationError, PendingTakeover, ThreadNotFound
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    NoPendingTakeover,
+    PendingTakeover,
+    ThreadNotFound,
+)
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.nodes.takeover import targets
+from taskpilots_graph.nodes.think import RESUME_KEY
+from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 
-__all__ = ["aresume", "resume"]
+__all__ = ["adecide", "apending_takeovers", "aresume", "decide", "pending_takeovers", "resume"]
 
 
 def _config(thread_id: str, config: RunnableConfig | None) -> RunnableConfig:
@@ -32,6 +43,15 @@ def _saver(graph: Pregel[Any, Any]) -> BaseCheckpointSaver[Any]:
             "builder.compile(checkpointer=RecoveryCheckpointer(...))"
         )
     return cp
+
+
+def _mark_resumed(cfg: RunnableConfig, seq: int, snapshot: StateSnapshot) -> None:
+    """Tell the think node this run continues an earlier one (it re-anchors the model)."""
+    age = 0.0
+    if snapshot.created_at:
+        created = datetime.fromisoformat(snapshot.created_at)
+        age = max(0.0, _clock.now() - created.timestamp())
+    cfg["configurable"][RESUME_KEY] = {"seq": seq, "age": age}
 
 
 def _has_work(snapshot: StateSnapshot, thread_id: str) -> bool:
@@ -75,7 +95,8 @@ def resume(
     if not _has_work(snapshot, thread_id):
         return snapshot.values
     if isinstance(cp, RecoveryAPI):
-        cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
+        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
+        _mark_resumed(cfg, event.seq, snapshot)
     return graph.invoke(None, cfg, **kwargs)
 
 
@@ -95,5 +116,135 @@ async def aresume(
     if not _has_work(snapshot, thread_id):
         return snapshot.values
     if isinstance(cp, RecoveryAPI):
-        await cp.aappend_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
+        event = await cp.aappend_event(
+            thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
+        )
+        _mark_resumed(cfg, event.seq, snapshot)
     return await graph.ainvoke(None, cfg, **kwargs)
+
+
+# -- people ------------------------------------------------------------------------------------
+
+_INTERRUPT_CHANNEL = "__interrupt__"
+
+
+def _requests_from_tuple(thread_id: str, pending_writes: Any) -> list[TakeoverRequest]:
+    found = []
+    for _task, channel, value in pending_writes or ():
+        if channel != _INTERRUPT_CHANNEL:
+            continue
+        for item in value if isinstance(value, list | tuple) else [value]:
+            data = getattr(item, "value", None)
+            if isinstance(data, dict) and "options" in data and data.get("thread_id") == thread_id:
+                found.append(TakeoverRequest.model_validate({**data, "interrupt_id": item.id}))
+    return found
+
+
+def _thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
+    seen: dict[str, None] = {}
+    for item in checkpointer.list(None):
+        seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
+    return list(seen)
+
+
+def pending_takeovers(
+    checkpointer: BaseCheckpointSaver[Any], *, thread_ids: list[str] | None = None
+) -> list[TakeoverRequest]:
+    """Every thread waiting on a person, with its :class:`TakeoverRequest`.
+
+    Args:
+        checkpointer: The checkpointer the graphs run with.
+        thread_ids: Look only at these threads (default: every thread in the store).
+    """
+    requests: list[TakeoverRequest] = []
+    for thread_id in thread_ids if thread_ids is not None else _thread_ids(checkpointer):
+        found = checkpointer.get_tuple({"configurable": {"thread_id": thread_id}})
+        if found is not None:
+            requests += _requests_from_tuple(thread_id, found.pending_writes)
+    return requests
+
+
+async def apending_takeovers(
+    checkpointer: BaseCheckpointSaver[Any], *, thread_ids: list[str] | None = None
+) -> list[TakeoverRequest]:
+    """Async form of :func:`pending_takeovers`."""
+    if thread_ids is None:
+        seen: dict[str, None] = {}
+        async for item in checkpointer.alist(None):
+            seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
+        thread_ids = list(seen)
+    requests: list[TakeoverRequest] = []
+    for thread_id in thread_ids:
+        found = await checkpointer.aget_tuple({"configurable": {"thread_id": thread_id}})
+        if found is not None:
+            requests += _requests_from_tuple(thread_id, found.pending_writes)
+    return requests
+
+
+def _answer(snapshot: StateSnapshot, thread_id: str, decision: Decision) -> Command[Any]:
+    pending = [i for i in snapshot.interrupts if isinstance(i.value, dict) and "options" in i.value]
+    if not pending:
+        raise NoPendingTakeover(thread_id)
+    (interrupt,) = pending[:1]
+    targets(snapshot.values, decision)  # raises InvalidDecision for a step that does not wait
+    return Command(resume={interrupt.id: decision.model_dump(mode="json")})
+
+
+def decide(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    decision: Decision | dict[str, Any] | str,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Answer a thread's takeover and continue it.
+
+    The decision is validated first; an invalid one, a thread that waits on nobody or the
+    same decision given twice raises and changes nothing. The answer addresses the pending
+    interrupt by id (never ``invoke(None)``, which can replay a stale answer).
+
+    Example:
+        >>> tp.decide(graph, "t-1", tp.Decision(action="provide_result", result="T-42"))
+        ... # doctest: +SKIP
+
+    Raises:
+        InvalidDecision: The decision does not validate or names no waiting step.
+        ThreadNotFound: The thread has no checkpoint.
+        NoPendingTakeover: Nobody is asked anything on that thread (any more).
+    """
+    parsed = parse_decision(decision)
+    cfg = _config(thread_id, config)
+    cp = _saver(graph)
+    if cp.get_tuple(cfg) is None:
+        raise ThreadNotFound(thread_id)
+    snapshot = graph.get_state(cfg)
+    command = _answer(snapshot, thread_id, parsed)
+    if isinstance(cp, RecoveryAPI):
+        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
+        _mark_resumed(cfg, event.seq, snapshot)
+    return graph.invoke(command, cfg, **kwargs)
+
+
+async def adecide(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    decision: Decision | dict[str, Any] | str,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Async form of :func:`decide`."""
+    parsed = parse_decision(decision)
+    cfg = _config(thread_id, config)
+    cp = _saver(graph)
+    if await cp.aget_tuple(cfg) is None:
+        raise ThreadNotFound(thread_id)
+    snapshot = await graph.aget_state(cfg)
+    command = _answer(snapshot, thread_id, parsed)
+    if isinstance(cp, RecoveryAPI):
+        event = await cp.aappend_event(
+            thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
+        )
+        _mark_resumed(cfg, event.seq, snapshot)
+    return await graph.ainvoke(command, cfg, **kwargs)

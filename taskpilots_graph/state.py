@@ -80,6 +80,7 @@ class FlowState(TypedDict, total=False):
         reason: Why the run waits, escalated or failed.
         budget_from: Index of the message from which the step budget counts (moved on by
             a person's decision, so a decision buys a fresh budget).
+        resumed_seq: The ``run_resumed`` event whose resume context was given to the model.
     """
 
     stage: FlowStage
@@ -89,6 +90,7 @@ class FlowState(TypedDict, total=False):
     signatures: dict[str, int]
     reason: str | None
     budget_from: int
+    resumed_seq: int | None
 
 
 def merge_steps(

@@ -31,8 +31,8 @@ from taskpilots_graph import (
     LedgerEntry,
     LedgerStatus,
     NotDone,
+    PendingTakeover,
     RecoveryCheckpointer,
-    SideEffectUncertain,
     Unknown,
     create_recovery_agent,
     current_invocation,
@@ -132,6 +132,15 @@ def charge_tool(service: PaymentService, **options: Any) -> BaseTool:
 # One attempt, then the run fails: these tests look at what the ledger does with a single
 # execution; retries belong to the recovery router (tests/test_drills.py).
 SINGLE_ATTEMPT = ToolPolicy(max_attempts=1, on_exhausted="fail")
+
+
+def stopped_on_uncertain(result: dict[str, Any]) -> dict[str, Any]:
+    """The run stopped on a takeover that names the uncertain effect by its key."""
+    (pending,) = result["__interrupt__"]
+    request: dict[str, Any] = pending.value
+    assert [e["key"] for e in request["uncertain_effects"]] == [KEY]
+    assert request["failure"]["kind"] == "side_effect_uncertain"
+    return request
 
 
 def build(cp: RecoveryCheckpointer, tool_: BaseTool) -> CompiledStateGraph[Any, Any, Any, Any]:
@@ -293,30 +302,30 @@ def test_intended_unknown_non_idempotent_stops_uncertain(
     seed(cp, LedgerStatus.INTENDED)
     graph = build(cp, charge_tool(service, precheck=precheck))
 
-    with pytest.raises(SideEffectUncertain) as raised:
-        run(graph, "t")
+    request = stopped_on_uncertain(run(graph, "t"))
 
-    assert (raised.value.key, raised.value.tool, raised.value.thread_id) == (KEY, "charge", "t")
+    assert (request["thread_id"], request["pending"][0]["tool"]) == ("t", "charge")
     assert service.executions == []
     assert entry(cp).status is LedgerStatus.UNCERTAIN
     assert len(payloads(cp, "t", EventKind.EFFECT_UNCERTAIN)) == 1
 
 
-def test_uncertain_entry_raises_again_on_resume_without_calling(cp: RecoveryCheckpointer) -> None:
-    """Once uncertain, resuming the thread raises SideEffectUncertain again and never executes."""
+def test_uncertain_entry_waits_for_a_person_on_resume_without_calling(
+    cp: RecoveryCheckpointer,
+) -> None:
+    """Once uncertain, resuming the thread never executes: it waits on a person."""
     service = PaymentService()
     seed(cp, LedgerStatus.INTENDED)
     graph = build(cp, charge_tool(service, precheck=service.cannot_tell))
-    with pytest.raises(SideEffectUncertain):
-        run(graph, "t")
+    stopped_on_uncertain(run(graph, "t"))
 
-    with pytest.raises(SideEffectUncertain, match="awaits a person"):
+    with pytest.raises(PendingTakeover):
         resume(graph, "t")
+    assert kinds(cp, "t").count("run_resumed") == 0  # refused before anything ran
 
     assert service.executions == []
     assert service.prechecks == [KEY]  # the second attempt does not even ask again
     assert entry(cp).status is LedgerStatus.UNCERTAIN
-    assert kinds(cp, "t").count("run_resumed") == 1
     assert kinds(cp, "t").count("effect_uncertain") == 1
 
 
@@ -328,8 +337,8 @@ def test_precheck_that_raises_counts_as_unknown(cp: RecoveryCheckpointer) -> Non
         raise OSError("search endpoint unreachable")
 
     seed(cp, LedgerStatus.INTENDED)
-    with pytest.raises(SideEffectUncertain, match="could not tell"):
-        run(build(cp, charge_tool(service, precheck=broken)), "t")
+    stopped_on_uncertain(run(build(cp, charge_tool(service, precheck=broken)), "t"))
+    assert "could not tell" in payloads(cp, "t", EventKind.EFFECT_UNCERTAIN)[0]["reason"]
 
     assert service.executions == []
     assert entry(cp).status is LedgerStatus.UNCERTAIN
@@ -423,14 +432,14 @@ def test_failure_after_send_without_precheck_non_idempotent_is_uncertain(
     service = PaymentService(behaviours=["timeout"])
     graph = build(cp, charge_tool(service))
 
-    with pytest.raises(SideEffectUncertain, match="TimeoutError"):
-        run(graph, "t")
+    stopped_on_uncertain(run(graph, "t"))
+    assert "TimeoutError" in payloads(cp, "t", EventKind.EFFECT_UNCERTAIN)[0]["reason"]
 
     assert len(service.executions) == 1
     uncertain = entry(cp)
     assert uncertain.status is LedgerStatus.UNCERTAIN
     assert uncertain.error is not None
     assert uncertain.error["maybe_sent"] is True
-    with pytest.raises(SideEffectUncertain):
+    with pytest.raises(PendingTakeover):
         resume(graph, "t")
     assert len(service.executions) == 1

@@ -40,7 +40,18 @@ def test_every_module_declares_all(module: str) -> None:
 
 def test_public_classes_and_functions_are_exported() -> None:
     """Nothing a user needs from the top-level modules is missing from the package."""
-    for module in ("agent", "ledger", "runner", "tools", "errors", "events", "state"):
+    for module in (
+        "agent",
+        "ledger",
+        "runner",
+        "tools",
+        "errors",
+        "events",
+        "state",
+        "takeover",
+        "policy",
+        "recovery",
+    ):
         mod = importlib.import_module(f"taskpilots_graph.{module}")
         public = {n for n in mod.__all__ if not n.isupper() and n[0] != "_"}
         internal = {
@@ -54,6 +65,13 @@ def test_public_classes_and_functions_are_exported() -> None:
             "encode_payload",
             "event_from_row",
             "spec_of",
+            "FlowStage",
+            "StepStatus",
+            "merge_flow",
+            "merge_steps",
+            "parse_decision",
+            "validate_policies",
+            "DECISION_ACTIONS",
         }
         missing = public - internal - set(tp.__all__)
         assert not missing, f"{module}: {sorted(missing)}"

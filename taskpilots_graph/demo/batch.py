@@ -97,7 +97,7 @@ def run_batch(
                         graph.invoke({"messages": [HumanMessage(json.dumps(ticket))]}, cfg)
                     else:
                         tp.resume(graph, thread_id(ticket))
-                except tp.SideEffectUncertain:
+                except tp.PendingTakeover:
                     continue  # stopped on a named effect; a person decides
         return
     with _plain_saver(conn_string) as saver:

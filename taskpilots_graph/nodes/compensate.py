@@ -24,7 +24,10 @@ from taskpilots_graph.nodes._context import run_context
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.tools import spec_of
 
-__all__ = ["CompensateNode"]
+__all__ = ["ABANDONED", "CompensateNode"]
+
+ABANDONED = "abandoned by a person"
+"""The flow reason of a run a person abandoned: compensated, then closed (not failed)."""
 
 
 class CompensateNode:
@@ -50,8 +53,12 @@ class CompensateNode:
         )
         return undone, event
 
-    def _summary(self, thread_id: str, ns: str, skipped: list[str]) -> dict[str, Any]:
-        return {"flow": {"stage": "failed", "reason": "abandoned; committed effects compensated"}}
+    @staticmethod
+    def _summary(state: dict[str, Any], missing: list[str]) -> dict[str, Any]:
+        reason = (state.get("flow") or {}).get("reason") or "failed"
+        stage = "closed" if reason == ABANDONED else "failed"
+        note = f"; not undone (no compensator): {', '.join(missing)}" if missing else ""
+        return {"flow": {"stage": stage, "reason": reason + note}}
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate synchronously."""
@@ -73,7 +80,7 @@ class CompensateNode:
             self.checkpointer.append_event(
                 ctx.thread_id, EventKind.COMPENSATED, {"without_compensator": missing}
             )
-        return self._summary(ctx.thread_id, ctx.graph_ns, missing)
+        return self._summary(state, missing)
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate asynchronously."""
@@ -97,4 +104,4 @@ class CompensateNode:
             await self.checkpointer.aappend_event(
                 ctx.thread_id, EventKind.COMPENSATED, {"without_compensator": missing}
             )
-        return self._summary(ctx.thread_id, ctx.graph_ns, missing)
+        return self._summary(state, missing)

@@ -33,8 +33,8 @@ from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.failures import failure_payload
-from taskpilots_graph.ledger import Unknown, args_digest, default_key
+from taskpilots_graph.failures import classify, failure_payload
+from taskpilots_graph.ledger import SideEffectUncertain, Unknown, args_digest, default_key
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
@@ -156,7 +156,7 @@ class RecoveryExecutor:
             using = record.get("using") or call["name"]
             tool = self.tools.get(using)
             spec = spec_of(tool) if tool is not None else None
-            args = dict(call["args"])
+            args = dict(record.get("args") or call["args"])  # a person may have edited them
             key = (
                 spec.key(args)
                 if spec is not None and spec.key is not None
@@ -216,7 +216,7 @@ class RecoveryExecutor:
             "tool_call_id": call["id"] or "",
             "tool": call["name"],
             "using": item.ctx.tool,
-            "args": dict(call["args"]),
+            "args": dict(item.ctx.args),
             "attempts": record.get("attempts", 0) + 1,
             "calls": record.get("calls", 0) + 1,
             "tried": list(record.get("tried", [])),
@@ -317,7 +317,12 @@ class RecoveryExecutor:
         outcomes = []
         try:
             for item in step.calls:
-                outcome = CallOutcome() if item.tool is None else self._drive(step, item, config)
+                try:
+                    outcome = (
+                        CallOutcome() if item.tool is None else self._drive(step, item, config)
+                    )
+                except SideEffectUncertain as exc:
+                    outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
             return self._finish(step, outcomes)
         finally:
@@ -370,9 +375,14 @@ class RecoveryExecutor:
         outcomes = []
         try:
             for item in step.calls:
-                outcome = (
-                    CallOutcome() if item.tool is None else await self._adrive(step, item, config)
-                )
+                try:
+                    outcome = (
+                        CallOutcome()
+                        if item.tool is None
+                        else await self._adrive(step, item, config)
+                    )
+                except SideEffectUncertain as exc:
+                    outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
             return self._finish(step, outcomes)
         finally:
@@ -407,6 +417,12 @@ class RecoveryExecutor:
                     thrown = exc
                 finally:
                     reset_invocation(token)
+
+
+def _uncertain(exc: SideEffectUncertain) -> CallOutcome:
+    # Not a crash of the run: a step whose effect nobody can confirm. The router hands it to
+    # a person; the other calls of the step still run.
+    return CallOutcome(error=exc, failure=classify(exc))
 
 
 def _count(new: list[str], seen: Mapping[str, int]) -> Mapping[str, int]:

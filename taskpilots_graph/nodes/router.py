@@ -272,25 +272,31 @@ class WaitNode:
 
 
 def fail_run(checkpointer: RecoveryAPI) -> Any:
-    """The fail node: answers open calls with errors and closes the run as failed."""
+    """The fail node: answers open calls with errors and ends the run.
+
+    The run ends ``failed``, or ``closed`` when compensation already closed it (a person
+    abandoned it).
+    """
 
     def build(
         state: Mapping[str, Any], config: RunnableConfig
     ) -> tuple[dict[str, Any], list[EventRecord]]:
         ctx = run_context(config)
-        reason = (state.get("flow") or {}).get("reason") or "failed"
+        flow = state.get("flow") or {}
+        reason = flow.get("reason") or "failed"
+        stage = "closed" if flow.get("stage") == "closed" else "failed"
         steps: Mapping[str, StepRecord] = state.get("steps") or {}
         _, calls = pending_calls(state["messages"])
         messages = [
             error_message(
                 c,
                 f"{describe((steps.get(c['id'] or '') or {}).get('failure') or {})}; "
-                f"the run failed: {reason}",
+                f"the run {'was closed' if stage == 'closed' else 'failed'}: {reason}",
             )
             for c in calls
         ]
-        events = [_event(ctx, EventKind.AGENT_FINISHED, status="failed", reason=reason)]
-        return {"messages": messages, "flow": {"stage": "failed", "reason": reason}}, events
+        events = [_event(ctx, EventKind.AGENT_FINISHED, status=stage, reason=reason)]
+        return {"messages": messages, "flow": {"stage": stage, "reason": reason}}, events
 
     def invoke(state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         update, events = build(state, config)

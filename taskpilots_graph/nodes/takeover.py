@@ -1,107 +1,316 @@
-"""The takeover node: stop, show a person what happened, and act on their decision.
+"""The takeover node: stop, show a person the whole picture, and act on their decision.
 
-It calls LangGraph's ``interrupt()`` with the steps waiting on a person (tool, arguments,
-failure, what is already committed), and continues with the answer: ``retry`` runs those
-steps again, ``skip`` answers them with a note and lets the model continue, ``abandon``
-compensates the committed effects and ends the run. Everything before ``interrupt()`` is
-safe to run again (it only reads), since LangGraph re-runs the node when it resumes.
+It calls LangGraph's ``interrupt()`` with a :class:`~taskpilots_graph.takeover.TakeoverRequest`
+(goal, done steps, committed and uncertain effects, the failure, and what each option would
+trigger) and applies the validated :class:`~taskpilots_graph.takeover.Decision`:
+
+* ``retry``: the step runs again under the same ledger key (an uncertain entry is released
+  for exactly one more execution);
+* ``skip``: the step is answered "skipped" and the model continues without it;
+* ``provide_result``: the person's result is committed in the ledger with a manual proof;
+* ``edit_args``: the step runs with the new arguments, hence under a new key;
+* ``abandon``: committed effects are compensated in reverse order and the run is closed.
+
+Everything before ``interrupt()`` only reads, so LangGraph re-running the node on resume is
+harmless; ledger changes are compare-and-set and skipped when already applied, so a crash
+after them cannot apply a decision twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import getpass
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command, interrupt
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.errors import InvalidDecision
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.nodes._context import run_context
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.nodes._context import RunContext, run_context
+from taskpilots_graph.nodes.compensate import ABANDONED
 from taskpilots_graph.nodes.executor import error_message, pending_calls
 from taskpilots_graph.state import StepRecord
+from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 
-__all__ = ["TAKEOVER_ACTIONS", "TakeoverNode"]
+__all__ = ["TakeoverNode", "build_request", "waiting_steps"]
 
-TAKEOVER_ACTIONS = ("retry", "skip", "abandon")
+_SUMMARY = 300
+
+
+def waiting_steps(state: Mapping[str, Any]) -> list[StepRecord]:
+    """The open steps that wait on a person, in call order."""
+    steps: Mapping[str, StepRecord] = state.get("steps") or {}
+    _, calls = pending_calls(state["messages"])
+    return [
+        steps[c["id"] or ""]
+        for c in calls
+        if (steps.get(c["id"] or "") or {}).get("status") == "awaiting_human"
+    ]
+
+
+def _goal(messages: Sequence[Any]) -> str:
+    human = next((m for m in reversed(messages) if isinstance(m, HumanMessage)), None)
+    return str(human.content)[:_SUMMARY] if human is not None else ""
+
+
+def build_request(
+    state: Mapping[str, Any], thread_id: str, ledger: Sequence[LedgerEntry]
+) -> TakeoverRequest:
+    """The takeover request for a thread's current state (pure: state + ledger in)."""
+    flow = state.get("flow") or {}
+    waiting = waiting_steps(state)
+    steps: Mapping[str, StepRecord] = state.get("steps") or {}
+    done = [
+        {"tool": r.get("using"), "args": r.get("args"), "result": r.get("result")}
+        for r in steps.values()
+        if r.get("status") == "closed" and not r.get("failure")
+    ]
+    committed = [
+        {"key": e.key, "tool": e.tool} for e in ledger if e.status is LedgerStatus.COMMITTED
+    ]
+    uncertain = [
+        {"key": e.key, "tool": e.tool, "args": dict(e.args)}
+        for e in ledger
+        if e.status is LedgerStatus.UNCERTAIN
+    ]
+    first = waiting[0] if waiting else {}
+    tool = first.get("using") or first.get("tool") or "the step"
+    key = first.get("key")
+    undo = ", ".join(f"{c['tool']} ({c['key']})" for c in reversed(committed)) or "nothing"
+    options = {
+        "retry": f"calls {tool} again"
+        + (f" with the same key {key}" if key else "")
+        + f" (attempt {int(first.get('attempts', 0)) + 1})",
+        "skip": f"continues without {tool}; the model is told it was skipped",
+        "provide_result": f"records your result as {tool}'s result"
+        + (" (committed in the ledger with a manual proof)" if key else "")
+        + " and continues",
+        "edit_args": f"calls {tool} with your arguments, under a new key",
+        "abandon": f"undoes committed effects in reverse order ({undo}) and closes the run",
+    }
+    failure = dict(first.get("failure") or {}) or None
+    if failure is not None:
+        failure["attempts"] = first.get("attempts")
+    return TakeoverRequest(
+        thread_id=thread_id,
+        goal=_goal(state["messages"]),
+        reason=flow.get("reason"),
+        failure=failure,
+        done_steps=done,
+        committed_effects=committed,
+        uncertain_effects=uncertain,
+        pending=[
+            {
+                "tool_call_id": r.get("tool_call_id"),
+                "tool": r.get("using") or r.get("tool"),
+                "args": r.get("args"),
+                "attempts": r.get("attempts"),
+                "key": r.get("key"),
+            }
+            for r in waiting
+        ],
+        options=options,
+    )
+
+
+def targets(state: Mapping[str, Any], decision: Decision) -> list[StepRecord]:
+    """The waiting steps a decision applies to.
+
+    Raises:
+        InvalidDecision: For an unknown ``tool_call_id``, or a decision that names a single
+            result or argument set while several steps wait.
+    """
+    waiting = waiting_steps(state)
+    if decision.tool_call_id is not None:
+        chosen = [r for r in waiting if r.get("tool_call_id") == decision.tool_call_id]
+        if not chosen:
+            ids = [r.get("tool_call_id") for r in waiting]
+            raise InvalidDecision(
+                f"no step {decision.tool_call_id!r} waits on a person; waiting: {ids}"
+            )
+        return chosen
+    if decision.action in ("provide_result", "edit_args") and len(waiting) > 1:
+        raise InvalidDecision(f"{len(waiting)} steps wait; say which one with tool_call_id=...")
+    return waiting
 
 
 class TakeoverNode:
-    """Pauses the run on an interrupt until a person decides."""
+    """Pauses the run on ``interrupt()`` until a person decides, then applies the decision."""
 
     def __init__(self, *, checkpointer: RecoveryAPI) -> None:
         self.checkpointer = checkpointer
 
-    @staticmethod
-    def request(state: Mapping[str, Any], thread_id: str) -> dict[str, Any]:
-        """What the person is shown."""
-        steps: Mapping[str, StepRecord] = state.get("steps") or {}
-        flow = state.get("flow") or {}
-        waiting = [dict(r) for r in steps.values() if r.get("status") == "awaiting_human"]
-        return {
-            "type": "takeover",
-            "thread_id": thread_id,
-            "reason": flow.get("reason"),
-            "steps": waiting,
-            "committed": list(flow.get("committed", [])),
-            "options": list(TAKEOVER_ACTIONS),
-        }
+    def _plan(
+        self,
+        state: Mapping[str, Any],
+        ctx: RunContext,
+        decision: Decision,
+        ledger: Sequence[LedgerEntry],
+    ) -> tuple[Command[str], list[tuple[LedgerEntry, LedgerEntry]], list[EventRecord]]:
+        chosen = targets(state, decision)
+        by_key = {e.key: e for e in ledger}
+        now = datetime.now(UTC)
+        who = decision.decided_by or _user()
+        writes: list[tuple[LedgerEntry, LedgerEntry]] = []
+        for record in chosen:
+            entry = by_key.get(record.get("key") or "")
+            moved = _ledger_move(entry, decision, who, now) if entry is not None else None
+            if entry is not None and moved is not None:
+                writes.append((entry, moved))
+        event = prepare_event(
+            ctx.thread_id,
+            EventKind.DECISION_RECORDED,
+            {
+                "decision": decision.model_dump(mode="json", exclude_none=True),
+                "decided_by": who,
+                "steps": [r.get("tool_call_id") for r in chosen],
+            },
+            checkpoint_id=None,
+            checkpoint_ns=ctx.graph_ns,
+        )
+        return _command(state, decision, chosen), writes, [event]
 
-    def _apply(self, state: Mapping[str, Any], answer: Any) -> Command[str]:
-        action = answer.get("action") if isinstance(answer, Mapping) else answer
-        if action not in TAKEOVER_ACTIONS:
-            raise ConfigurationError(
-                f"takeover decision must be one of {TAKEOVER_ACTIONS}, got {answer!r}"
-            )
-        steps: Mapping[str, StepRecord] = state.get("steps") or {}
-        _, calls = pending_calls(state["messages"])
-        waiting = [
-            c for c in calls if (steps.get(c["id"] or "") or {}).get("status") == "awaiting_human"
-        ]
-        flow = {
-            "stage": "running",
-            "takeover": False,
-            "reason": None,
-            "signatures": {},
-            "budget_from": len(state["messages"]),
-        }
-        if action == "retry":
-            reset: dict[str, StepRecord] = {
-                c["id"] or "": {
-                    "status": "running",
-                    "attempts": 0,
-                    "first_failed_at": None,
-                    "retry_at": None,
-                }
-                for c in waiting
-            }
-            return Command(goto="act", update={"steps": reset, "flow": flow})
-        if action == "skip":
-            closed: dict[str, StepRecord] = {c["id"] or "": {"status": "closed"} for c in waiting}
-            messages = [
-                error_message(c, "Skipped by a person; do not call it again.") for c in waiting
-            ]
-            return Command(
-                goto="think", update={"steps": closed, "messages": messages, "flow": flow}
-            )
-        return Command(goto="compensate", update={"flow": {"stage": "compensating"}})
+    def _request(
+        self, state: Mapping[str, Any], ctx: RunContext, ledger: Sequence[LedgerEntry]
+    ) -> dict[str, Any]:
+        return build_request(state, ctx.thread_id, ledger).model_dump(mode="json")
+
+    def _ledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
+        # The thread's entries, plus those of waiting steps recorded under a business key by
+        # another thread (keys are global): the person must see the effect in question.
+        ledger = self.checkpointer.ledger(thread_id)
+        known = {e.key for e in ledger}
+        for record in waiting_steps(state):
+            key = record.get("key")
+            if key and key not in known and (entry := self.checkpointer.ledger_entry(key)):
+                ledger.append(entry)
+        return ledger
+
+    async def _aledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
+        ledger = await self.checkpointer.aledger(thread_id)
+        known = {e.key for e in ledger}
+        for record in waiting_steps(state):
+            key = record.get("key")
+            if key and key not in known and (entry := await self.checkpointer.aledger_entry(key)):
+                ledger.append(entry)
+        return ledger
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
-        """Ask and apply the answer."""
+        """Ask, then apply the answer."""
         ctx = run_context(config)
-        answer = interrupt(self.request(state, ctx.thread_id))
-        self.checkpointer.append_event(
-            ctx.thread_id, EventKind.DECISION_RECORDED, {"decision": answer}
-        )
-        return self._apply(state, answer)
+        ledger = self._ledger(state, ctx.thread_id)
+        decision = parse_decision(interrupt(self._request(state, ctx, ledger)))
+        command, writes, events = self._plan(state, ctx, decision, ledger)
+        for before, after in writes:
+            self.checkpointer.write_ledger(
+                after, expect=(before.status, before.attempt), events=events
+            )
+            events = []  # the decision is logged with its first ledger change
+        self.checkpointer.append_records(events)
+        return command
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Async form of :meth:`invoke`."""
         ctx = run_context(config)
-        answer = interrupt(self.request(state, ctx.thread_id))
-        command = self._apply(state, answer)
-        await self.checkpointer.aappend_event(
-            ctx.thread_id, EventKind.DECISION_RECORDED, {"decision": answer}
-        )
+        ledger = await self._aledger(state, ctx.thread_id)
+        decision = parse_decision(interrupt(self._request(state, ctx, ledger)))
+        command, writes, events = self._plan(state, ctx, decision, ledger)
+        for before, after in writes:
+            await self.checkpointer.awrite_ledger(
+                after, expect=(before.status, before.attempt), events=events
+            )
+            events = []
+        await self.checkpointer.aappend_records(events)
         return command
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers)
+        return "unknown"
+
+
+def _ledger_move(
+    entry: LedgerEntry, decision: Decision, who: str, now: datetime
+) -> LedgerEntry | None:
+    """The entry after the decision, or ``None`` when it needs no change."""
+    if entry.status not in (LedgerStatus.UNCERTAIN, LedgerStatus.FAILED, LedgerStatus.INTENDED):
+        return None  # committed / compensated: the decision was applied already
+    action = decision.action
+    if action == "provide_result":
+        return replace(
+            entry,
+            status=LedgerStatus.COMMITTED,
+            result=decision.result,
+            proof={"manual": True, "decided_by": who, "note": decision.note},
+            updated_at=now,
+        )
+    if action == "abandon":
+        return None
+    # retry: released for one more execution (not sent, so the ledger executes it);
+    # skip / edit_args: closed for good, the step goes on without this key.
+    reason = {"retry": "retry_approved", "skip": "skipped_by_person", "edit_args": "superseded"}
+    return replace(
+        entry,
+        status=LedgerStatus.FAILED,
+        error={
+            "type": reason[action],
+            "message": f"{action} decided by {who}",
+            "maybe_sent": action != "retry",
+        },
+        updated_at=now,
+    )
+
+
+def _command(
+    state: Mapping[str, Any], decision: Decision, chosen: list[StepRecord]
+) -> Command[str]:
+    flow: dict[str, Any] = {
+        "stage": "running",
+        "takeover": False,
+        "reason": None,
+        "signatures": {},
+        "budget_from": len(state["messages"]),
+    }
+    ids = [r.get("tool_call_id") or "" for r in chosen]
+    action = decision.action
+    if action == "abandon":
+        return Command(
+            goto="compensate",
+            update={"flow": {"stage": "compensating", "reason": ABANDONED}},
+        )
+    if action in ("retry", "edit_args"):
+        reset: dict[str, StepRecord] = {}
+        for call_id in ids:
+            update: StepRecord = {
+                "status": "running",
+                "attempts": 0,
+                "first_failed_at": None,
+                "retry_at": None,
+                "failure": None,
+            }
+            if action == "edit_args":
+                update["args"] = dict(decision.args or {})
+            reset[call_id] = update
+        return Command(goto="act", update={"steps": reset, "flow": flow})
+    _, calls = pending_calls(state["messages"])
+    by_id = {c["id"]: c for c in calls}
+    messages: list[ToolMessage] = []
+    closed: dict[str, StepRecord] = {}
+    for call_id in ids:
+        call = by_id[call_id]
+        if action == "skip":
+            messages.append(error_message(call, "Skipped by a person; do not call it again."))
+        else:
+            content = decision.result if isinstance(decision.result, str) else str(decision.result)
+            messages.append(ToolMessage(content=content, tool_call_id=call_id, name=call["name"]))
+        closed[call_id] = {"status": "closed", "result": str(decision.result)[:_SUMMARY]}
+    return Command(goto="think", update={"steps": closed, "messages": messages, "flow": flow})

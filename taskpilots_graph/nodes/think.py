@@ -6,6 +6,11 @@ new answer would carry new tool-call ids, so new invocation keys, and the ledger
 longer recognise effects already performed. A model generation that drove execution is never
 re-generated.
 
+On the first decision after ``resume`` or ``decide`` (the *resume context*), the node
+closes tool calls left without an answer, runs the registered refreshers when the pause was
+longer than ``refresh_after``, and gives the model the resume prompt of
+:mod:`taskpilots_graph.prompts.resume` (optionally asking it to restate the state first).
+
 A model call that fails (no answer at all) follows the :class:`ModelPolicy`: a few attempts
 with backoff, then the next fallback model. When every model failed the error propagates and
 the run stops before this node; ``resume`` asks again. A turn that needs more than
@@ -14,11 +19,18 @@ the run stops before this node; ``resume`` asks again. A turn that needs more th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.errors import GraphBubbleUp
@@ -31,11 +43,62 @@ from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import classify, failure_payload
+from taskpilots_graph.ledger import LedgerEntry
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
 from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
+from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
+from taskpilots_graph.prompts.templates import Language
 
-__all__ = ["ThinkNode"]
+__all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "close_dangling"]
+
+RESUME_KEY = "__taskpilots_resume__"
+"""Config key set by ``resume`` / ``decide``: ``{"seq": <run_resumed event>, "age": <s>}``."""
+
+
+def close_dangling(messages: Sequence[BaseMessage]) -> list[ToolMessage]:
+    """Answers for tool calls left without one (a provider rejects such a history)."""
+    answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
+    return [
+        ToolMessage(
+            content="Error: interrupted before an answer; the call may not have run.",
+            tool_call_id=call["id"] or "",
+            name=call["name"],
+            status="error",
+        )
+        for m in messages
+        if isinstance(m, AIMessage)
+        for call in m.tool_calls
+        if call["id"] not in answered
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeContext:
+    """How a resumed run is re-anchored before its next model call.
+
+    Attributes:
+        language: Language of the resume prompt (``"en"`` or ``"zh"``).
+        max_chars: Size budget of the resume prompt.
+        refreshers: Functions of the state returning current values of key data.
+        refresh_after: Run the refreshers when the pause lasted longer (seconds).
+        acknowledge: Ask the model to restate the state and next action first.
+    """
+
+    language: Language = "en"
+    max_chars: int = DEFAULT_MAX_CHARS
+    refreshers: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
+    refresh_after: float = 3600.0
+    acknowledge: bool = False
+
+    def __post_init__(self) -> None:
+        if self.language not in ("en", "zh"):
+            raise ConfigurationError(
+                f"ResumeContext.language must be 'en' or 'zh', got {self.language!r}"
+            )
+        if not isinstance(self.max_chars, int) or self.max_chars < 400:
+            raise ConfigurationError("ResumeContext.max_chars must be an int ≥ 400")
+
 
 Model = BaseChatModel | Runnable[LanguageModelInput, BaseMessage]
 
@@ -73,6 +136,7 @@ class ThinkNode:
         prompt: An optional system prompt, prepended at call time (not stored in state).
         model_policy: Attempts and fallback models for failed model calls.
         max_steps: Model decisions per user turn before the run counts as STUCK.
+        resume_context: How resumed runs are re-anchored.
     """
 
     def __init__(
@@ -84,6 +148,7 @@ class ThinkNode:
         prompt: str | None = None,
         model_policy: ModelPolicy | None = None,
         max_steps: int = 50,
+        resume_context: ResumeContext | None = None,
     ) -> None:
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigurationError(f"max_steps must be an int ≥ 1, got {max_steps!r}")
@@ -92,6 +157,7 @@ class ThinkNode:
         self.checkpointer = checkpointer
         self.prompt = prompt
         self.max_steps = max_steps
+        self.resume = resume_context or ResumeContext()
 
     def _input(self, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
         return [SystemMessage(self.prompt), *messages] if self.prompt else list(messages)
@@ -122,8 +188,61 @@ class ThinkNode:
             return events, Command(goto="takeover", update={"flow": flow})
         return events, None
 
+    def _resume_marker(
+        self, state: Mapping[str, Any], config: RunnableConfig
+    ) -> Mapping[str, Any] | None:
+        marker = (config.get("configurable") or {}).get(RESUME_KEY)
+        if not isinstance(marker, Mapping):
+            return None
+        if (state.get("flow") or {}).get("resumed_seq") == marker.get("seq"):
+            return None  # this resume was already handled by an earlier decision
+        return marker
+
+    def _resume_prompt(
+        self,
+        ctx: RunContext,
+        state: Mapping[str, Any],
+        messages: Sequence[BaseMessage],
+        marker: Mapping[str, Any],
+        ledger: Sequence[LedgerEntry],
+        events: list[EventRecord],
+    ) -> HumanMessage:
+        stale = float(marker.get("age") or 0) > self.resume.refresh_after
+        refreshed = (
+            {name: fn(state) for name, fn in self.resume.refreshers.items()} if stale else {}
+        )
+        facts = resume_facts({**state, "messages": messages}, ledger, refreshed=refreshed)
+        prompt = build_resume_prompt(
+            facts,
+            language=self.resume.language,
+            max_chars=self.resume.max_chars,
+            acknowledge=self.resume.acknowledge,
+        )
+        events.append(
+            self._event(
+                ctx,
+                EventKind.RESUME_CONTEXT,
+                context=prompt[:SUMMARY_CHARS],
+                refreshed=sorted(refreshed),
+            )
+        )
+        return HumanMessage(prompt, name="taskpilots_resume")
+
+    def _acknowledged(
+        self, ctx: RunContext, ack: BaseMessage, events: list[EventRecord]
+    ) -> list[BaseMessage]:
+        text = str(ack.content)[:SUMMARY_CHARS]
+        events.append(self._event(ctx, EventKind.LLM_DECIDED, acknowledgement=text))
+        return [AIMessage(text), HumanMessage("Continue.", name="taskpilots_resume")]
+
     def _finish(
-        self, ctx: RunContext, ai: BaseMessage, replayed: bool, events: list[EventRecord]
+        self,
+        ctx: RunContext,
+        ai: BaseMessage,
+        replayed: bool,
+        events: list[EventRecord],
+        prefix: Sequence[BaseMessage] = (),
+        flow: Mapping[str, Any] | None = None,
     ) -> Command[str]:
         if not isinstance(ai, AIMessage):
             raise ConfigurationError(
@@ -135,13 +254,17 @@ class ThinkNode:
                     ctx, EventKind.LLM_DECIDED, replayed=True, tool_calls=len(ai.tool_calls)
                 )
             )
+        update: dict[str, Any] = {"messages": [*prefix, ai]}
+        if flow:
+            update["flow"] = dict(flow)
         if ai.tool_calls:
             # Decisions with tool calls are logged by the act node with its first write.
-            return Command(goto="act", update={"messages": [ai]})
+            return Command(goto="act", update=update)
         answer = str(ai.content)[:SUMMARY_CHARS]
         events.append(self._event(ctx, EventKind.LLM_DECIDED, content=answer))
         events.append(self._event(ctx, EventKind.AGENT_FINISHED, status="closed", answer=answer))
-        return Command(goto=END, update={"messages": [ai], "flow": {"stage": "closed"}})
+        update["flow"] = {**update.get("flow", {}), "stage": "closed"}
+        return Command(goto=END, update=update)
 
     def _failed(
         self, ctx: RunContext, index: int, attempt: int, exc: Exception
@@ -164,16 +287,25 @@ class ThinkNode:
         if stuck is not None:
             self.checkpointer.append_records(events)
             return stuck
-        messages = state["messages"]
-        recorded = self.checkpointer.decision(
-            ctx.thread_id, ctx.graph_ns, messages_digest(messages)
-        )
+        marker = self._resume_marker(state, config)
+        dangling = close_dangling(state["messages"]) if marker else []
+        messages = [*state["messages"], *dangling]
+        extra: list[BaseMessage] = []
         try:
+            if marker is not None:
+                ledger = self.checkpointer.ledger(ctx.thread_id)
+                extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
+                if self.resume.acknowledge:
+                    ack = self._call(ctx, [*messages, *extra], config, events)
+                    extra += self._acknowledged(ctx, ack, events)
+            digest = messages_digest(messages)
+            recorded = self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, digest)
             if recorded is not None:
                 ai = load_message(recorded)
             else:
-                ai = self._call(ctx, messages, config, events)
-            return self._finish(ctx, ai, recorded is not None, events)
+                ai = self._call(ctx, [*messages, *extra], config, events)
+            flow = {"resumed_seq": marker.get("seq")} if marker else None
+            return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
         finally:
             self.checkpointer.append_records(events)
 
@@ -207,15 +339,25 @@ class ThinkNode:
         if stuck is not None:
             await self.checkpointer.aappend_records(events)
             return stuck
-        messages = state["messages"]
-        digest = messages_digest(messages)
-        recorded = await self.checkpointer.adecision(ctx.thread_id, ctx.graph_ns, digest)
+        marker = self._resume_marker(state, config)
+        dangling = close_dangling(state["messages"]) if marker else []
+        messages = [*state["messages"], *dangling]
+        extra: list[BaseMessage] = []
         try:
+            if marker is not None:
+                ledger = await self.checkpointer.aledger(ctx.thread_id)
+                extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
+                if self.resume.acknowledge:
+                    ack = await self._acall(ctx, [*messages, *extra], config, events)
+                    extra += self._acknowledged(ctx, ack, events)
+            digest = messages_digest(messages)
+            recorded = await self.checkpointer.adecision(ctx.thread_id, ctx.graph_ns, digest)
             if recorded is not None:
                 ai = load_message(recorded)
             else:
-                ai = await self._acall(ctx, messages, config, events)
-            return self._finish(ctx, ai, recorded is not None, events)
+                ai = await self._acall(ctx, [*messages, *extra], config, events)
+            flow = {"resumed_seq": marker.get("seq")} if marker else None
+            return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
         finally:
             await self.checkpointer.aappend_records(events)
 
