@@ -3,7 +3,8 @@
 ``RecoveryCheckpointer`` (sync, this module) and ``AsyncRecoveryCheckpointer`` (:mod:`.aio`)
 wrap ``InMemorySaver``, ``SqliteSaver`` / ``AsyncSqliteSaver`` or ``PostgresSaver`` /
 ``AsyncPostgresSaver`` by composition. The graph state is stored by the LangGraph saver,
-unchanged; the event log lives in tables of its own in the same database.
+unchanged; the event log lives in tables of its own in the same database, and so do artifacts
+unless an :class:`ArtifactStore` of their own is passed (``artifacts=FileArtifactStore(path)``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
+from taskpilots_graph.checkpointers.artifacts import (
+    ArtifactRef,
+    ArtifactStore,
+    FileArtifactStore,
+    FsspecArtifactStore,
+)
 from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
@@ -30,7 +37,14 @@ from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.sqlite import SqliteStore
 from taskpilots_graph.errors import ConfigurationError
 
-__all__ = ["AsyncRecoveryCheckpointer", "RecoveryCheckpointer"]
+__all__ = [
+    "ArtifactRef",
+    "ArtifactStore",
+    "AsyncRecoveryCheckpointer",
+    "FileArtifactStore",
+    "FsspecArtifactStore",
+    "RecoveryCheckpointer",
+]
 
 
 def _store_for(inner: BaseCheckpointSaver[Any]) -> RecoveryStore:
@@ -72,20 +86,30 @@ class RecoveryCheckpointer(RecoveryAPI):
     Args:
         inner: The LangGraph saver that stores graph state.
         store: The recovery store; derived from ``inner`` when omitted.
+        artifacts: Where artifacts go; the recovery store's database when omitted.
     """
 
     store: RecoveryStore
 
     def __init__(
-        self, inner: BaseCheckpointSaver[Any], *, store: RecoveryStore | None = None
+        self,
+        inner: BaseCheckpointSaver[Any],
+        *,
+        store: RecoveryStore | None = None,
+        artifacts: ArtifactStore | None = None,
     ) -> None:
         super().__init__(inner)
         self.store = store if store is not None else _store_for(inner)
+        self.artifact_store = checked_artifact_store(artifacts)
 
     @classmethod
     @contextmanager
     def from_conn_string(
-        cls, conn_string: str, *, pool_size: int = DEFAULT_POOL_SIZE
+        cls,
+        conn_string: str,
+        *,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        artifacts: ArtifactStore | None = None,
     ) -> Iterator[Self]:
         """Open a checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
 
@@ -94,6 +118,8 @@ class RecoveryCheckpointer(RecoveryAPI):
                 ``"postgresql://user@host:port/db"``.
             pool_size: Maximum connections of the PostgreSQL pool shared by the saver and
                 the recovery store.
+            artifacts: Where artifacts go (e.g. ``FileArtifactStore(path)``); the same
+                database when omitted.
 
         Yields:
             A ready checkpointer; call :meth:`setup` once per database (SQLite and memory
@@ -101,7 +127,7 @@ class RecoveryCheckpointer(RecoveryAPI):
         """
         target = parse_conn_string(conn_string)
         if target.backend == "memory":
-            yield cls(InMemorySaver())
+            yield cls(InMemorySaver(), artifacts=artifacts)
         elif target.backend == "sqlite":
             conn = sqlite3.connect(
                 sqlite_path(target.address),
@@ -109,14 +135,14 @@ class RecoveryCheckpointer(RecoveryAPI):
                 timeout=SQLITE_BUSY_TIMEOUT_S,
             )
             with closing(conn):
-                yield cls(SqliteSaver(conn))
+                yield cls(SqliteSaver(conn), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres import PostgresSaver
 
             from taskpilots_graph.checkpointers._pg_connect import open_pool
 
             with open_pool(target.address, pool_size) as pool:
-                yield cls(PostgresSaver(pool))
+                yield cls(PostgresSaver(pool), artifacts=artifacts)
 
     def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""

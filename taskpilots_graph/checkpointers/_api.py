@@ -4,23 +4,59 @@ A subclass says how to reach its store from either side with two primitives: ``_
 (sync) and ``_acall`` (async). The sync checkpointer calls its store directly and sends async
 calls to a worker thread; the async one awaits its store and runs sync calls on its loop.
 Everything else (validation, argument shapes, docs) is written once here.
+
+Artifacts go to the recovery store unless an :class:`ArtifactStore` was plugged in
+(``artifact_store``); those are synchronous and run on a worker thread for async callers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
+from taskpilots_graph.checkpointers.artifacts import (
+    ARTIFACTS_TABLE,
+    ArtifactRef,
+    ArtifactStore,
+    check_artifact_id,
+    prepare_artifact,
+    verify_artifact,
+)
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.compression import (
+    DEFAULT_KEY_FIELDS,
+    DEFAULT_PROTECTED_KINDS,
+    CompactionPolicy,
+)
+from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
-__all__ = ["RecoveryAPI"]
+__all__ = ["RecoveryAPI", "checked_artifact_store"]
+
+
+def checked_artifact_store(artifacts: object) -> ArtifactStore | None:
+    """``artifacts`` if it is ``None`` or implements :class:`ArtifactStore`.
+
+    Raises:
+        ConfigurationError: Otherwise (a path string, say), naming the classes to use.
+    """
+    if artifacts is None or isinstance(artifacts, ArtifactStore):
+        return artifacts
+    raise ConfigurationError(
+        f"artifacts must be an ArtifactStore, got {type(artifacts).__name__}; use "
+        "FileArtifactStore(path) or FsspecArtifactStore(url), or omit it to keep artifacts "
+        "in the checkpointer's database"
+    )
 
 
 class RecoveryAPI(DelegatingSaver):
-    """Event log, ledger and decision records on top of a delegating saver."""
+    """Event log, ledger, decision records and artifacts on top of a delegating saver."""
+
+    artifact_store: ArtifactStore | None = None
+    """A store of its own for artifacts; ``None`` keeps them in the recovery store."""
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -157,16 +193,141 @@ class RecoveryAPI(DelegatingSaver):
         """Async form of :meth:`record_decision`."""
         await self._acall("decision_put", thread_id, checkpoint_ns, input_digest, message)
 
+    # -- event compaction --------------------------------------------------------------------
+
+    def compact_events(
+        self,
+        thread_id: str,
+        *,
+        keep_last: int,
+        key_fields: Iterable[str] = DEFAULT_KEY_FIELDS,
+        protected_kinds: Iterable[EventKind | str] = DEFAULT_PROTECTED_KINDS,
+    ) -> int:
+        """Reduce the thread's events older than the last ``keep_last`` to kind + key fields.
+
+        Payloads are rewritten in place (seq, kind and time stay); ledger-relevant fields
+        (``key``, ``status``, ``proof``, ``tool``, ``tool_call_id``) are always kept and
+        ``protected_kinds`` are never touched. See
+        :func:`taskpilots_graph.compression.compact_events` for the rules. Idempotent.
+
+        Returns:
+            How many events were rewritten.
+
+        Raises:
+            ConfigurationError: For a negative ``keep_last``, a bad field or an unknown kind.
+            CorruptRecordError: If a stored event cannot be decoded (nothing is rewritten).
+        """
+        policy = CompactionPolicy.of(
+            keep_last, key_fields=key_fields, protected_kinds=protected_kinds
+        )
+        return cast(int, self._call("compact_events", thread_id, policy))
+
+    async def acompact_events(
+        self,
+        thread_id: str,
+        *,
+        keep_last: int,
+        key_fields: Iterable[str] = DEFAULT_KEY_FIELDS,
+        protected_kinds: Iterable[EventKind | str] = DEFAULT_PROTECTED_KINDS,
+    ) -> int:
+        """Async form of :meth:`compact_events`."""
+        policy = CompactionPolicy.of(
+            keep_last, key_fields=key_fields, protected_kinds=protected_kinds
+        )
+        return cast(int, await self._acall("compact_events", thread_id, policy))
+
+    # -- artifacts ---------------------------------------------------------------------------
+
+    def _artifacts_call(self, method: str, *args: Any) -> Any:
+        if self.artifact_store is None:
+            return self._call(method, *args)
+        return getattr(self.artifact_store, method)(*args)
+
+    async def _artifacts_acall(self, method: str, *args: Any) -> Any:
+        if self.artifact_store is None:
+            return await self._acall(method, *args)
+        # Plugged-in stores are synchronous (files, fsspec): keep them off the event loop.
+        return await asyncio.to_thread(getattr(self.artifact_store, method), *args)
+
+    def _checked(self, artifact_id: str, data: bytes | None) -> bytes:
+        if data is None:
+            raise ArtifactNotFound(artifact_id)
+        store = self.artifact_store
+        where = ARTIFACTS_TABLE if store is None else str(getattr(store, "location", store))
+        return verify_artifact(artifact_id, data, where=where)
+
+    def put_artifact(
+        self,
+        thread_id: str,
+        data: bytes | bytearray | memoryview | str,
+        *,
+        media_type: str | None = None,
+    ) -> ArtifactRef:
+        """Store a raw payload for the thread and return its reference; durable on return.
+
+        The id is the SHA-256 of the bytes (``str`` is stored as UTF-8), so storing the same
+        payload again for the thread stores nothing new and returns the same id. The thread's
+        artifacts are removed by :meth:`delete_thread`.
+
+        Args:
+            thread_id: The thread that owns the artifact.
+            data: The payload.
+            media_type: Defaults to ``text/plain; charset=utf-8`` for ``str`` and
+                ``application/octet-stream`` for bytes. A payload already stored for the
+                thread keeps the media type it was first stored with.
+
+        Raises:
+            ConfigurationError: For an empty thread id, data that is not bytes or text, or
+                a bad media type.
+        """
+        artifact = prepare_artifact(thread_id, data, media_type)
+        self._artifacts_call("put_artifact", artifact)
+        return artifact.ref
+
+    async def aput_artifact(
+        self,
+        thread_id: str,
+        data: bytes | bytearray | memoryview | str,
+        *,
+        media_type: str | None = None,
+    ) -> ArtifactRef:
+        """Async form of :meth:`put_artifact`."""
+        artifact = prepare_artifact(thread_id, data, media_type)
+        await self._artifacts_acall("put_artifact", artifact)
+        return artifact.ref
+
+    def artifact(self, artifact_id: str) -> bytes:
+        """The raw payload stored under ``artifact_id``, checked against its hash.
+
+        Raises:
+            ConfigurationError: If ``artifact_id`` is not of the form ``sha256:<hex>``.
+            ArtifactNotFound: If no thread holds it (never stored, or its thread deleted).
+            CorruptRecordError: If the stored bytes no longer match the id.
+        """
+        check_artifact_id(artifact_id)
+        return self._checked(artifact_id, self._artifacts_call("get_artifact", artifact_id))
+
+    async def aartifact(self, artifact_id: str) -> bytes:
+        """Async form of :meth:`artifact`."""
+        check_artifact_id(artifact_id)
+        data = await self._artifacts_acall("get_artifact", artifact_id)
+        return self._checked(artifact_id, data)
+
     # -- whole threads -----------------------------------------------------------------------
 
     def delete_thread(self, thread_id: str) -> None:
-        """Delete the thread's checkpoints, writes, events, ledger entries and decisions."""
+        """Delete the thread's checkpoints, writes, events, ledger entries, decisions and
+        artifacts."""
         # Checkpoints go first: a crash in between leaves an orphan log, never a thread that
         # could resume without the record of what it already did.
         self.inner.delete_thread(thread_id)
         self._call("delete_thread", thread_id)
+        if self.artifact_store is not None:
+            self.artifact_store.delete_artifacts(thread_id)
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Async form of :meth:`delete_thread`."""
         await self.inner.adelete_thread(thread_id)
         await self._acall("delete_thread", thread_id)
+        if self.artifact_store is not None:
+            await asyncio.to_thread(self.artifact_store.delete_artifacts, thread_id)

@@ -11,6 +11,8 @@ from typing import Final, Literal
 
 __all__ = [
     "APPEND_EVENT",
+    "ARTIFACTS",
+    "COMPACT_EVENT",
     "CREATE_MIGRATIONS_TABLE",
     "DELETE_THREAD",
     "INSERT_VERSION",
@@ -73,6 +75,37 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             PRIMARY KEY (thread_id, checkpoint_ns, input_digest)
         ) WITHOUT ROWID;
         """,
+        # 3: artifacts. A rowid table, not WITHOUT ROWID: payloads are large, and SQLite
+        # keeps large rows out of the b-tree pages only in rowid tables. One copy per
+        # (content hash, thread): deleting a thread never takes another thread's copy.
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_artifacts (
+            id TEXT NOT NULL,
+            thread_id TEXT NOT NULL,
+            media_type TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            created_at REAL NOT NULL,
+            payload BLOB NOT NULL,
+            PRIMARY KEY (id, thread_id)
+        );
+        CREATE INDEX IF NOT EXISTS taskpilots_artifacts_thread
+            ON taskpilots_artifacts (thread_id);
+        """,
+        # 4: leases (taskpilots_graph.locks): one row per held name, expiry on the library
+        # clock; the fencing counter is a row of its own because released leases are
+        # deleted and tokens must keep rising past them.
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_leases (
+            name TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            fencing INTEGER NOT NULL,
+            expires_at REAL NOT NULL
+        ) WITHOUT ROWID;
+        CREATE TABLE IF NOT EXISTS taskpilots_lease_fencing (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            last INTEGER NOT NULL
+        );
+        """,
     ),
     "postgres": (
         """
@@ -118,6 +151,32 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             message TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL,
             PRIMARY KEY (thread_id, checkpoint_ns, input_digest)
+        );
+        """,
+        # 3: artifacts (see the SQLite twin). BYTEA values over ~2 KB are TOASTed, so
+        # large payloads do not slow down scans of the other columns.
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_artifacts (
+            id TEXT NOT NULL,
+            thread_id TEXT NOT NULL,
+            media_type TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            payload BYTEA NOT NULL,
+            PRIMARY KEY (id, thread_id)
+        );
+        CREATE INDEX IF NOT EXISTS taskpilots_artifacts_thread
+            ON taskpilots_artifacts (thread_id);
+        """,
+        # 4: leases (taskpilots_graph.locks): expiry on the database clock (now()); fencing
+        # tokens from a sequence, so they keep rising past deleted (released) rows.
+        """
+        CREATE SEQUENCE IF NOT EXISTS taskpilots_lease_fencing AS BIGINT;
+        CREATE TABLE IF NOT EXISTS taskpilots_leases (
+            name TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            fencing BIGINT NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL
         );
         """,
     ),
@@ -233,11 +292,48 @@ DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
         "DELETE FROM taskpilots_events WHERE thread_id = ?",
         "DELETE FROM taskpilots_ledger WHERE thread_id = ?",
         "DELETE FROM taskpilots_decisions WHERE thread_id = ?",
+        "DELETE FROM taskpilots_artifacts WHERE thread_id = ?",
     ),
     "postgres": (
         "DELETE FROM taskpilots_events WHERE thread_id = %s",
         "DELETE FROM taskpilots_event_seq WHERE thread_id = %s",
         "DELETE FROM taskpilots_ledger WHERE thread_id = %s",
         "DELETE FROM taskpilots_decisions WHERE thread_id = %s",
+        "DELETE FROM taskpilots_artifacts WHERE thread_id = %s",
     ),
+}
+
+# Event compaction rewrites the payload of an existing event in place; seq, kind, ts and the
+# checkpoint columns are never touched, so the log keeps its order and its gapless numbering.
+COMPACT_EVENT: Final[dict[Dialect, str]] = {
+    "sqlite": "UPDATE taskpilots_events SET payload = ? WHERE thread_id = ? AND seq = ?",
+    "postgres": "UPDATE taskpilots_events SET payload = %s::jsonb "
+    "WHERE thread_id = %s AND seq = %s",
+}
+
+
+def _artifact_sql(dialect: Dialect) -> dict[str, str]:
+    def p(name: str) -> str:
+        return _param(dialect, name)
+
+    # Bytes go over the wire in binary (%b) on PostgreSQL: the default text format would
+    # send a 10 MB payload as 20 MB of hex.
+    payload = ":payload" if dialect == "sqlite" else "%(payload)b"
+    return {
+        # Checked first so that storing a payload the thread already has does not send its
+        # bytes again; the insert still tolerates a concurrent writer of the same artifact.
+        "exists": "SELECT 1 FROM taskpilots_artifacts "
+        f"WHERE id = {p('id')} AND thread_id = {p('thread_id')}",
+        "put": "INSERT INTO taskpilots_artifacts "
+        "(id, thread_id, media_type, size, created_at, payload) VALUES ("
+        + _placeholders(dialect, ("id", "thread_id", "media_type", "size", "created_at"))
+        + f", {payload}) ON CONFLICT (id, thread_id) DO NOTHING",
+        # Any thread's copy will do: the same id always names the same bytes.
+        "get": f"SELECT payload FROM taskpilots_artifacts WHERE id = {p('id')} LIMIT 1",
+        "delete": f"DELETE FROM taskpilots_artifacts WHERE thread_id = {p('thread_id')}",
+    }
+
+
+ARTIFACTS: Final[dict[Dialect, dict[str, str]]] = {
+    d: _artifact_sql(d) for d in ("sqlite", "postgres")
 }

@@ -11,7 +11,8 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
+from taskpilots_graph.checkpointers.artifacts import ArtifactStore
 from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
@@ -67,22 +68,32 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
     Args:
         inner: The LangGraph async saver that stores graph state.
         store: The async recovery store; derived from ``inner`` when omitted.
+        artifacts: Where artifacts go; the recovery store's database when omitted.
     """
 
     store: AsyncRecoveryStore
     loop: asyncio.AbstractEventLoop
 
     def __init__(
-        self, inner: BaseCheckpointSaver[Any], *, store: AsyncRecoveryStore | None = None
+        self,
+        inner: BaseCheckpointSaver[Any],
+        *,
+        store: AsyncRecoveryStore | None = None,
+        artifacts: ArtifactStore | None = None,
     ) -> None:
         super().__init__(inner)
         self.store = store if store is not None else _async_store_for(inner)
+        self.artifact_store = checked_artifact_store(artifacts)
         self.loop = asyncio.get_running_loop()
 
     @classmethod
     @asynccontextmanager
     async def from_conn_string(
-        cls, conn_string: str, *, pool_size: int = DEFAULT_POOL_SIZE
+        cls,
+        conn_string: str,
+        *,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        artifacts: ArtifactStore | None = None,
     ) -> AsyncIterator[Self]:
         """Open an async checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
 
@@ -90,27 +101,29 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
             conn_string: ``":memory:"``, ``"sqlite:///path/runs.db"`` (or a plain path), or
                 ``"postgresql://user@host:port/db"``.
             pool_size: Maximum connections of the PostgreSQL pool.
+            artifacts: Where artifacts go (e.g. ``FileArtifactStore(path)``); the same
+                database when omitted.
 
         Yields:
             A ready checkpointer; await :meth:`setup` once per database.
         """
         target = parse_conn_string(conn_string)
         if target.backend == "memory":
-            yield cls(InMemorySaver())
+            yield cls(InMemorySaver(), artifacts=artifacts)
         elif target.backend == "sqlite":
             import aiosqlite
 
             async with aiosqlite.connect(
                 sqlite_path(target.address), timeout=SQLITE_BUSY_TIMEOUT_S
             ) as conn:
-                yield cls(AsyncSqliteSaver(conn))
+                yield cls(AsyncSqliteSaver(conn), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
             from taskpilots_graph.checkpointers._pg_connect import open_async_pool
 
             async with open_async_pool(target.address, pool_size) as pool:
-                yield cls(AsyncPostgresSaver(pool))
+                yield cls(AsyncPostgresSaver(pool), artifacts=artifacts)
 
     async def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""

@@ -4,6 +4,9 @@ A recovery checkpointer is two things behind one object: a LangGraph saver that 
 graph state (used unchanged) and a *recovery store* that keeps the event log (and, later, the
 ledger, leases and artifacts) in the same database. This module defines the store protocols,
 the parsing of connection strings and the row handling that every backend shares.
+
+Every recovery store is also an :class:`~taskpilots_graph.checkpointers.artifacts.ArtifactStore`
+(artifacts in the same database by default) and can compact its event log in place.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Literal, Protocol
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
+from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
+from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import ConfigurationError, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
@@ -224,6 +229,25 @@ class RecoveryStore(Protocol):
     ) -> None:
         """Record a model decision durably (first writer wins)."""
 
+    def put_artifact(self, artifact: PreparedArtifact) -> None:
+        """Store an artifact for its thread (a no-op if the thread has it); durable on return."""
+
+    def get_artifact(self, artifact_id: str) -> bytes | None:
+        """The payload stored under ``artifact_id`` by any thread, or ``None``."""
+
+    def delete_artifacts(self, thread_id: str) -> None:
+        """Remove the thread's artifacts (``delete_thread`` does this too)."""
+
+    def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        """Rewrite the payloads ``policy`` reduces, in one transaction; seq and kind stay.
+
+        Returns:
+            The number of events rewritten.
+
+        Raises:
+            CorruptRecordError: If a stored event cannot be decoded (nothing is rewritten).
+        """
+
 
 class AsyncRecoveryStore(Protocol):
     """Asynchronous twin of :class:`RecoveryStore`."""
@@ -264,6 +288,18 @@ class AsyncRecoveryStore(Protocol):
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Record a model decision durably (first writer wins)."""
+
+    async def put_artifact(self, artifact: PreparedArtifact) -> None:
+        """Async twin of :meth:`RecoveryStore.put_artifact`."""
+
+    async def get_artifact(self, artifact_id: str) -> bytes | None:
+        """Async twin of :meth:`RecoveryStore.get_artifact`."""
+
+    async def delete_artifacts(self, thread_id: str) -> None:
+        """Async twin of :meth:`RecoveryStore.delete_artifacts`."""
+
+    async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        """Async twin of :meth:`RecoveryStore.compact_events`."""
 
 
 def require_override(saver: BaseCheckpointSaver[Any], method: str) -> None:

@@ -6,11 +6,14 @@ notebooks and quick experiments.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 
 from taskpilots_graph.checkpointers._rows import entry_params
+from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.base import EventRecord
+from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
@@ -26,6 +29,8 @@ class MemoryStore:
         self._events: dict[str, list[Event]] = {}
         self._ledger: dict[str, LedgerEntry] = {}
         self._decisions: dict[tuple[str, str, str], str] = {}
+        # artifact id -> thread id -> payload: one copy per thread, as in the SQL stores.
+        self._artifacts: dict[str, dict[str, bytes]] = {}
 
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
         """Nothing to create in memory; runs ``inner_setup`` if given."""
@@ -55,6 +60,7 @@ class MemoryStore:
                 del self._ledger[key]
             for dkey in [d for d in self._decisions if d[0] == thread_id]:
                 del self._decisions[dkey]
+            self._drop_artifacts(thread_id)
 
     def ledger_get(self, key: str) -> LedgerEntry | None:
         with self._lock:
@@ -90,6 +96,37 @@ class MemoryStore:
     ) -> None:
         with self._lock:
             self._decisions.setdefault((thread_id, checkpoint_ns, input_digest), message)
+
+    def put_artifact(self, artifact: PreparedArtifact) -> None:
+        with self._lock:
+            copies = self._artifacts.setdefault(artifact.ref.id, {})
+            copies.setdefault(artifact.thread_id, artifact.data)
+
+    def get_artifact(self, artifact_id: str) -> bytes | None:
+        with self._lock:
+            copies = self._artifacts.get(artifact_id)
+            return next(iter(copies.values())) if copies else None
+
+    def _drop_artifacts(self, thread_id: str) -> None:
+        for artifact_id in list(self._artifacts):
+            copies = self._artifacts[artifact_id]
+            copies.pop(thread_id, None)
+            if not copies:
+                del self._artifacts[artifact_id]
+
+    def delete_artifacts(self, thread_id: str) -> None:
+        with self._lock:
+            self._drop_artifacts(thread_id)
+
+    def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        with self._lock:
+            log = self._events.get(thread_id, [])
+            position = {event.seq: i for i, event in enumerate(log)}
+            plan = policy.plan(log)
+            for change in plan:
+                i = position[change.seq]
+                log[i] = dataclasses.replace(log[i], payload=change.payload)
+        return len(plan)
 
 
 class AsyncMemoryStore:
@@ -136,3 +173,15 @@ class AsyncMemoryStore:
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         self.sync.decision_put(thread_id, checkpoint_ns, input_digest, message)
+
+    async def put_artifact(self, artifact: PreparedArtifact) -> None:
+        self.sync.put_artifact(artifact)
+
+    async def get_artifact(self, artifact_id: str) -> bytes | None:
+        return self.sync.get_artifact(artifact_id)
+
+    async def delete_artifacts(self, thread_id: str) -> None:
+        self.sync.delete_artifacts(thread_id)
+
+    async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        return self.sync.compact_events(thread_id, policy)

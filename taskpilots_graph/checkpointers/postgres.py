@@ -26,7 +26,13 @@ from taskpilots_graph.checkpointers._rows import (
     ledger_write_sql,
     row_to_entry,
 )
+from taskpilots_graph.checkpointers.artifacts import (
+    ARTIFACTS_TABLE,
+    PreparedArtifact,
+    stored_bytes,
+)
 from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
+from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
@@ -40,6 +46,7 @@ __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
 _D: Final = "postgres"
 _LEDGER = sql.LEDGER[_D]
+_ARTIFACTS = sql.ARTIFACTS[_D]
 _SETUP_TIMEOUT_S = 60.0
 _DURABLE = "SET LOCAL synchronous_commit = on"
 
@@ -98,6 +105,14 @@ async def _aappend_all(cur: Any, records: Sequence[EventRecord]) -> list[Event]:
         (seq,) = await cur.fetchone()
         stored.append(record.to_event(seq))
     return stored
+
+
+def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
+    return [(change.encoded, change.thread_id, change.seq) for change in plan]
+
+
+def _artifact_key(artifact: PreparedArtifact) -> dict[str, Any]:
+    return {"id": artifact.ref.id, "thread_id": artifact.thread_id}
 
 
 def _missing_tables(exc: errors.UndefinedTable) -> StorageError:
@@ -225,6 +240,31 @@ class PostgresStore:
         with self._transaction() as cur:
             cur.execute(_LEDGER["decision_put"], params)
 
+    def put_artifact(self, artifact: PreparedArtifact) -> None:
+        with self._transaction() as cur:
+            if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
+                cur.execute(_ARTIFACTS["put"], artifact.params())
+
+    def get_artifact(self, artifact_id: str) -> bytes | None:
+        # binary=True: the payload comes back as raw bytes, not as hex text twice its size.
+        with self._transaction() as cur:
+            row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True).fetchone()
+        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
+
+    def delete_artifacts(self, thread_id: str) -> None:
+        with self._transaction() as cur:
+            cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
+
+    def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        # Read and rewrite need not be one snapshot: appends only add newer events, and a
+        # concurrent compaction computes the same reduction of the same old payloads.
+        with self._transaction() as cur:
+            rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)).fetchall()
+            plan = policy.plan(rows_to_events(rows))
+            if plan:
+                cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+        return len(plan)
+
 
 class AsyncPostgresStore:
     """Asynchronous recovery store on a psycopg ``AsyncConnectionPool`` or ``AsyncConnection``.
@@ -348,3 +388,27 @@ class AsyncPostgresStore:
         params = decision_params(thread_id, checkpoint_ns, input_digest, message)
         async with self._transaction() as cur:
             await cur.execute(_LEDGER["decision_put"], params)
+
+    async def put_artifact(self, artifact: PreparedArtifact) -> None:
+        async with self._transaction() as cur:
+            await cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact))
+            if await cur.fetchone() is None:
+                await cur.execute(_ARTIFACTS["put"], artifact.params())
+
+    async def get_artifact(self, artifact_id: str) -> bytes | None:
+        async with self._transaction() as cur:
+            await cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True)
+            row = await cur.fetchone()
+        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
+
+    async def delete_artifacts(self, thread_id: str) -> None:
+        async with self._transaction() as cur:
+            await cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
+
+    async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        async with self._transaction() as cur:
+            await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0))
+            plan = policy.plan(rows_to_events(await cur.fetchall()))
+            if plan:
+                await cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+        return len(plan)

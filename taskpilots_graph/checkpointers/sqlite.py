@@ -22,7 +22,13 @@ from taskpilots_graph.checkpointers._rows import (
     ledger_write_sql,
     row_to_entry,
 )
+from taskpilots_graph.checkpointers.artifacts import (
+    ARTIFACTS_TABLE,
+    PreparedArtifact,
+    stored_bytes,
+)
 from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
+from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import LedgerConflict, MigrationError
 from taskpilots_graph.events import Event
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
@@ -60,6 +66,15 @@ def _append_params(record: EventRecord) -> tuple[Any, ...]:
 
 
 _LEDGER = sql.LEDGER[_D]
+_ARTIFACTS = sql.ARTIFACTS[_D]
+
+
+def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
+    return [(change.encoded, change.thread_id, change.seq) for change in plan]
+
+
+def _artifact_key(artifact: PreparedArtifact) -> dict[str, Any]:
+    return {"id": artifact.ref.id, "thread_id": artifact.thread_id}
 
 
 def _append_all(cur: sqlite3.Cursor, records: Sequence[EventRecord]) -> list[Event]:
@@ -177,6 +192,29 @@ class SqliteStore:
         with self._cursor() as cur:
             cur.execute(_LEDGER["decision_put"], params)
 
+    def put_artifact(self, artifact: PreparedArtifact) -> None:
+        with self._cursor() as cur:
+            if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
+                cur.execute(_ARTIFACTS["put"], artifact.params())
+
+    def get_artifact(self, artifact_id: str) -> bytes | None:
+        with self._cursor() as cur:
+            row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}).fetchone()
+        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
+
+    def delete_artifacts(self, thread_id: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
+
+    def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        # Read and rewrite need not be one snapshot: appends only add newer events, and a
+        # concurrent compaction computes the same reduction of the same old payloads.
+        with self._cursor() as cur:
+            rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)).fetchall()
+            plan = policy.plan(rows_to_events(rows))
+            cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+        return len(plan)
+
 
 class AsyncSqliteStore:
     """Asynchronous recovery store sharing an ``AsyncSqliteSaver``'s connection and lock."""
@@ -285,3 +323,30 @@ class AsyncSqliteStore:
         params = decision_params(thread_id, checkpoint_ns, input_digest, message)
         async with self._transaction() as conn:
             await conn.execute(_LEDGER["decision_put"], params)
+
+    async def put_artifact(self, artifact: PreparedArtifact) -> None:
+        async with self._transaction() as conn:
+            async with conn.execute(_ARTIFACTS["exists"], _artifact_key(artifact)) as cur:
+                found = await cur.fetchone()
+            if found is None:
+                await conn.execute(_ARTIFACTS["put"], artifact.params())
+
+    async def get_artifact(self, artifact_id: str) -> bytes | None:
+        async with (
+            self._transaction() as conn,
+            conn.execute(_ARTIFACTS["get"], {"id": artifact_id}) as cur,
+        ):
+            row = await cur.fetchone()
+        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
+
+    async def delete_artifacts(self, thread_id: str) -> None:
+        async with self._transaction() as conn:
+            await conn.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
+
+    async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
+        async with self._transaction() as conn:
+            async with conn.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)) as cur:
+                rows = await cur.fetchall()
+            plan = policy.plan(rows_to_events(rows))
+            await conn.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+        return len(plan)
