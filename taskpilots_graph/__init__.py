@@ -56,9 +56,11 @@ from taskpilots_graph.runner import (
     adecide,
     apending_takeovers,
     aresume,
+    arewind,
     decide,
     pending_takeovers,
     resume,
+    rewind,
 )
 from taskpilots_graph.state import FlowState, RecoveryState, StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest
@@ -126,6 +128,7 @@ __all__ = [
     "adecide",
     "apending_takeovers",
     "aresume",
+    "arewind",
     "build_resume_prompt",
     "classify",
     "create_recovery_agent",
@@ -135,5 +138,6 @@ __all__ = [
     "pending_takeovers",
     "resume",
     "resume_facts",
+    "rewind",
     "side_effect",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
@@ -44,6 +44,7 @@ def create_recovery_agent(
     model_policy: ModelPolicy | None = None,
     max_steps: int = 50,
     resume_context: ResumeContext | None = None,
+    milestones: Mapping[str, Callable[[Mapping[str, Any]], bool]] | None = None,
     prompt: str | None = None,
     name: str = "recovery_agent",
     rng: random.Random | None = None,
@@ -76,6 +77,8 @@ def create_recovery_agent(
         max_steps: Model decisions per user turn before the run counts as stuck.
         resume_context: How a resumed run is re-anchored (prompt language and budget,
             refreshers of stale data, acknowledgement).
+        milestones: Named business milestones (predicates of the state); each is recorded
+            the first time it holds and can be a ``rewind`` target.
         prompt: Optional system prompt.
         name: The graph's name.
         rng: Source of backoff jitter (tests pass a seeded one).
@@ -100,6 +103,7 @@ def create_recovery_agent(
         model_policy=model_policy,
         max_steps=max_steps,
         resume_context=resume_context,
+        milestones=milestones,
     )
     router = RecoveryRouter(act, checkpointer=checkpointer, rng=rng)
     wait = WaitNode(act)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
@@ -22,7 +22,14 @@ from typing import Any
 
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError
 
-__all__ = ["MAX_PAYLOAD_BYTES", "Event", "EventKind", "encode_payload", "event_from_row"]
+__all__ = [
+    "MAX_PAYLOAD_BYTES",
+    "Event",
+    "EventKind",
+    "encode_payload",
+    "event_from_row",
+    "mark_superseded",
+]
 
 MAX_PAYLOAD_BYTES = 256 * 1024
 """Upper bound on one event's encoded payload; large results belong in the artifact store."""
@@ -53,6 +60,7 @@ class EventKind(StrEnum):
     DECISION_RECORDED = "decision_recorded"
     COMPENSATED = "compensated"
     MILESTONE_REACHED = "milestone_reached"
+    REWOUND = "rewound"
     STUCK_DETECTED = "stuck_detected"
 
 
@@ -68,6 +76,8 @@ class Event:
         payload: JSON data of the event (read-only).
         checkpoint_id: The checkpoint the run was at, when known.
         checkpoint_ns: The checkpoint namespace ("" for the root graph).
+        superseded: A later ``rewind`` went back before this event: it is kept for audit
+            and left out of summaries and metrics.
     """
 
     thread_id: str
@@ -77,6 +87,7 @@ class Event:
     payload: Mapping[str, Any] = field(default_factory=dict)
     checkpoint_id: str | None = None
     checkpoint_ns: str = ""
+    superseded: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.payload, MappingProxyType):
@@ -113,6 +124,21 @@ def encode_payload(payload: Mapping[str, Any] | None) -> str:
             "limit; store the raw data as an artifact and log its id instead"
         )
     return text
+
+
+def mark_superseded(events: list[Event]) -> list[Event]:
+    """Flag the events that a later ``rewound`` event superseded (seq ranges it names)."""
+    ranges = [
+        (int(e.payload.get("from_seq", 0)), int(e.payload.get("to_seq", -1)))
+        for e in events
+        if e.kind is EventKind.REWOUND
+    ]
+    if not ranges:
+        return events
+    return [
+        replace(e, superseded=True) if any(a <= e.seq <= b for a, b in ranges) else e
+        for e in events
+    ]
 
 
 def event_from_row(

@@ -19,12 +19,21 @@ from taskpilots_graph.errors import (
     PendingTakeover,
     ThreadNotFound,
 )
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 
-__all__ = ["adecide", "apending_takeovers", "aresume", "decide", "pending_takeovers", "resume"]
+__all__ = [
+    "adecide",
+    "apending_takeovers",
+    "aresume",
+    "arewind",
+    "decide",
+    "pending_takeovers",
+    "resume",
+    "rewind",
+]
 
 
 def _config(thread_id: str, config: RunnableConfig | None) -> RunnableConfig:
@@ -248,3 +257,99 @@ async def adecide(
         )
         _mark_resumed(cfg, event.seq, snapshot)
     return await graph.ainvoke(command, cfg, **kwargs)
+
+
+# -- rewind ------------------------------------------------------------------------------------
+
+
+def _rewind_target(events: list[Event], to: str) -> str:
+    """The checkpoint id of milestone ``to`` (its latest time), or ``to`` itself."""
+    for event in reversed(events):
+        if event.kind is EventKind.MILESTONE_REACHED and event.payload.get("name") == to:
+            checkpoint_id = event.payload.get("checkpoint_id")
+            if not checkpoint_id:
+                raise ConfigurationError(
+                    f"milestone {to!r} was reached where no checkpoint was stored "
+                    "(durability='exit'?); rewind to a checkpoint id instead"
+                )
+            return str(checkpoint_id)
+    return to
+
+
+def _fork(cfg: RunnableConfig, checkpoint_id: str) -> RunnableConfig:
+    fork: dict[str, Any] = dict(cfg)
+    fork["configurable"] = {**cfg["configurable"], "checkpoint_id": checkpoint_id}
+    return fork  # type: ignore[return-value]
+
+
+def _superseded(events: list[Event], since: float, to: str, checkpoint_id: str) -> dict[str, Any]:
+    last = events[-1].seq if events else 0
+    first = next((e.seq for e in events if e.ts.timestamp() > since), last + 1)
+    return {"to": to, "checkpoint_id": checkpoint_id, "from_seq": first, "to_seq": last}
+
+
+def rewind(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    *,
+    to: str,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Go back to a business milestone (by name) or a checkpoint id, and continue from there.
+
+    The thread forks from that checkpoint. Events recorded after it are flagged
+    ``superseded`` (kept for audit, left out of summaries), and model decisions recorded
+    after it are forgotten, so the model decides anew. Side effects committed before the
+    target are part of its state and are not repeated; later ones are reconciled by the
+    ledger like any other call.
+
+    Raises:
+        ThreadNotFound: The thread has no checkpoint.
+        ConfigurationError: The target is neither a milestone nor a checkpoint of the thread.
+    """
+    cfg = _config(thread_id, config)
+    cp = _saver(graph)
+    if not isinstance(cp, RecoveryAPI):
+        raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
+    if cp.get_tuple(cfg) is None:
+        raise ThreadNotFound(thread_id)
+    events = cp.events(thread_id)
+    checkpoint_id = _rewind_target(events, to)
+    fork = _fork(cfg, checkpoint_id)
+    target = cp.get_tuple(fork)
+    if target is None:
+        raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
+    since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
+    cp.forget_decisions(thread_id, since=since)
+    cp.append_event(thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id))
+    return graph.invoke(None, fork, **kwargs)
+
+
+async def arewind(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    *,
+    to: str,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Async form of :func:`rewind`."""
+    cfg = _config(thread_id, config)
+    cp = _saver(graph)
+    if not isinstance(cp, RecoveryAPI):
+        raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
+    if await cp.aget_tuple(cfg) is None:
+        raise ThreadNotFound(thread_id)
+    events = await cp.aevents(thread_id)
+    checkpoint_id = _rewind_target(events, to)
+    fork = _fork(cfg, checkpoint_id)
+    target = await cp.aget_tuple(fork)
+    if target is None:
+        raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
+    since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
+    await cp.aforget_decisions(thread_id, since=since)
+    await cp.aappend_event(
+        thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id)
+    )
+    return await graph.ainvoke(None, fork, **kwargs)

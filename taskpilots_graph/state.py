@@ -81,6 +81,7 @@ class FlowState(TypedDict, total=False):
         budget_from: Index of the message from which the step budget counts (moved on by
             a person's decision, so a decision buys a fresh budget).
         resumed_seq: The ``run_resumed`` event whose resume context was given to the model.
+        milestones: Business milestones reached, in order.
     """
 
     stage: FlowStage
@@ -91,6 +92,7 @@ class FlowState(TypedDict, total=False):
     reason: str | None
     budget_from: int
     resumed_seq: int | None
+    milestones: list[str]
 
 
 def merge_steps(

@@ -31,7 +31,7 @@ from taskpilots_graph.compression import (
     CompactionPolicy,
 )
 from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
-from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.events import Event, EventKind, mark_superseded
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
@@ -107,11 +107,15 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             CorruptRecordError: If a stored event cannot be decoded.
         """
-        return cast(list[Event], self._call("events", thread_id, after_seq=after_seq))
+        return mark_superseded(
+            cast(list[Event], self._call("events", thread_id, after_seq=after_seq))
+        )
 
     async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """Async form of :meth:`events`."""
-        return cast(list[Event], await self._acall("events", thread_id, after_seq=after_seq))
+        return mark_superseded(
+            cast(list[Event], await self._acall("events", thread_id, after_seq=after_seq))
+        )
 
     # -- ledger ------------------------------------------------------------------------------
 
@@ -192,6 +196,14 @@ class RecoveryAPI(DelegatingSaver):
     ) -> None:
         """Async form of :meth:`record_decision`."""
         await self._acall("decision_put", thread_id, checkpoint_ns, input_digest, message)
+
+    def forget_decisions(self, thread_id: str, *, since: float) -> int:
+        """Forget the thread's model decisions recorded after ``since`` (used by rewind)."""
+        return cast(int, self._call("decision_forget", thread_id, since))
+
+    async def aforget_decisions(self, thread_id: str, *, since: float) -> int:
+        """Async form of :meth:`forget_decisions`."""
+        return cast(int, await self._acall("decision_forget", thread_id, since))
 
     # -- event compaction --------------------------------------------------------------------
 

@@ -281,6 +281,9 @@ def _ledger_sql(dialect: Dialect) -> dict[str, str]:
             dialect, ("thread_id", "checkpoint_ns", "input_digest", "message", "created_at")
         )
         + ") ON CONFLICT (thread_id, checkpoint_ns, input_digest) DO NOTHING",
+        # A rewind forgets the decisions taken after its target, so the model decides anew.
+        "decision_forget": "DELETE FROM taskpilots_decisions WHERE "
+        f"thread_id = {p('thread_id')} AND created_at > {p('since')}",
     }
 
 

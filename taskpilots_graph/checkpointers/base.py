@@ -229,6 +229,9 @@ class RecoveryStore(Protocol):
     ) -> None:
         """Record a model decision durably (first writer wins)."""
 
+    def decision_forget(self, thread_id: str, since: float) -> int:
+        """Delete the thread's decisions recorded after ``since`` (epoch seconds)."""
+
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         """Store an artifact for its thread (a no-op if the thread has it); durable on return."""
 
@@ -288,6 +291,9 @@ class AsyncRecoveryStore(Protocol):
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Record a model decision durably (first writer wins)."""
+
+    async def decision_forget(self, thread_id: str, since: float) -> int:
+        """Delete the thread's decisions recorded after ``since`` (epoch seconds)."""
 
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         """Async twin of :meth:`RecoveryStore.put_artifact`."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from taskpilots_graph.checkpointers._rows import entry_params
@@ -29,6 +30,7 @@ class MemoryStore:
         self._events: dict[str, list[Event]] = {}
         self._ledger: dict[str, LedgerEntry] = {}
         self._decisions: dict[tuple[str, str, str], str] = {}
+        self._decided_at: dict[tuple[str, str, str], float] = {}
         # artifact id -> thread id -> payload: one copy per thread, as in the SQL stores.
         self._artifacts: dict[str, dict[str, bytes]] = {}
 
@@ -95,7 +97,17 @@ class MemoryStore:
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         with self._lock:
-            self._decisions.setdefault((thread_id, checkpoint_ns, input_digest), message)
+            key = (thread_id, checkpoint_ns, input_digest)
+            if key not in self._decisions:
+                self._decisions[key] = message
+                self._decided_at[key] = time.time()
+
+    def decision_forget(self, thread_id: str, since: float) -> int:
+        with self._lock:
+            gone = [k for k, at in self._decided_at.items() if k[0] == thread_id and at > since]
+            for key in gone:
+                del self._decisions[key], self._decided_at[key]
+            return len(gone)
 
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._lock:
@@ -173,6 +185,9 @@ class AsyncMemoryStore:
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         self.sync.decision_put(thread_id, checkpoint_ns, input_digest, message)
+
+    async def decision_forget(self, thread_id: str, since: float) -> int:
+        return self.sync.decision_forget(thread_id, since)
 
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         self.sync.put_artifact(artifact)

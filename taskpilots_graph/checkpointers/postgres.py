@@ -240,6 +240,11 @@ class PostgresStore:
         with self._transaction() as cur:
             cur.execute(_LEDGER["decision_put"], params)
 
+    def decision_forget(self, thread_id: str, since: float) -> int:
+        with self._transaction() as cur:
+            params = {"thread_id": thread_id, "since": since}
+            return int(cur.execute(_LEDGER["decision_forget"], params).rowcount)
+
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._transaction() as cur:
             if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
@@ -388,6 +393,11 @@ class AsyncPostgresStore:
         params = decision_params(thread_id, checkpoint_ns, input_digest, message)
         async with self._transaction() as cur:
             await cur.execute(_LEDGER["decision_put"], params)
+
+    async def decision_forget(self, thread_id: str, since: float) -> int:
+        async with self._transaction() as cur:
+            await cur.execute(_LEDGER["decision_forget"], {"thread_id": thread_id, "since": since})
+            return int(cur.rowcount)
 
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         async with self._transaction() as cur:

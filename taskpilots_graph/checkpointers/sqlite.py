@@ -192,6 +192,12 @@ class SqliteStore:
         with self._cursor() as cur:
             cur.execute(_LEDGER["decision_put"], params)
 
+    def decision_forget(self, thread_id: str, since: float) -> int:
+        with self._cursor() as cur:
+            return cur.execute(
+                _LEDGER["decision_forget"], {"thread_id": thread_id, "since": since}
+            ).rowcount
+
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._cursor() as cur:
             if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
@@ -323,6 +329,14 @@ class AsyncSqliteStore:
         params = decision_params(thread_id, checkpoint_ns, input_digest, message)
         async with self._transaction() as conn:
             await conn.execute(_LEDGER["decision_put"], params)
+
+    async def decision_forget(self, thread_id: str, since: float) -> int:
+        params = {"thread_id": thread_id, "since": since}
+        async with (
+            self._transaction() as conn,
+            conn.execute(_LEDGER["decision_forget"], params) as cur,
+        ):
+            return int(cur.rowcount)
 
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         async with self._transaction() as conn:

@@ -27,11 +27,13 @@ class RunContext:
         graph_ns: The namespace of the graph containing the node, without task ids, so it is
             the same on every resume (``""`` for the root graph).
         durability: LangGraph's durability mode of the run.
+        checkpoint_id: The checkpoint the node runs from (its graph's latest), if known.
     """
 
     thread_id: str
     graph_ns: str
     durability: str
+    checkpoint_id: str | None = None
 
 
 def run_context(config: RunnableConfig) -> RunContext:
@@ -51,7 +53,14 @@ def run_context(config: RunnableConfig) -> RunContext:
     task_ns = str(conf.get("checkpoint_ns") or "")
     # "parent:<task id>|act:<task id>" -> "parent": task ids change on replay, names do not.
     graph_ns = "|".join(part.split(":", 1)[0] for part in task_ns.split("|")[:-1])
-    return RunContext(str(thread_id), graph_ns, str(conf.get(_DURABILITY_KEY) or "async"))
+    # checkpoint_map holds the checkpoint each enclosing graph runs from, outermost first.
+    parents = list((conf.get("checkpoint_map") or {}).values())
+    return RunContext(
+        str(thread_id),
+        graph_ns,
+        str(conf.get(_DURABILITY_KEY) or "async"),
+        str(parents[-1]) if parents else None,
+    )
 
 
 def _fingerprint(message: BaseMessage) -> list[Any]:

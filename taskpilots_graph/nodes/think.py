@@ -137,6 +137,8 @@ class ThinkNode:
         model_policy: Attempts and fallback models for failed model calls.
         max_steps: Model decisions per user turn before the run counts as STUCK.
         resume_context: How resumed runs are re-anchored.
+        milestones: Business milestones by name: predicates of the state, checked before
+            each decision; the checkpoint where one first holds is a ``rewind`` target.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class ThinkNode:
         model_policy: ModelPolicy | None = None,
         max_steps: int = 50,
         resume_context: ResumeContext | None = None,
+        milestones: Mapping[str, Callable[[Mapping[str, Any]], bool]] | None = None,
     ) -> None:
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigurationError(f"max_steps must be an int ≥ 1, got {max_steps!r}")
@@ -158,6 +161,7 @@ class ThinkNode:
         self.prompt = prompt
         self.max_steps = max_steps
         self.resume = resume_context or ResumeContext()
+        self.milestones = dict(milestones or {})
 
     def _input(self, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
         return [SystemMessage(self.prompt), *messages] if self.prompt else list(messages)
@@ -167,6 +171,25 @@ class ThinkNode:
         return prepare_event(
             ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
         )
+
+    def _milestones(
+        self, state: Mapping[str, Any], ctx: RunContext
+    ) -> tuple[list[str], list[EventRecord]]:
+        reached = set((state.get("flow") or {}).get("milestones", []))
+        new = [
+            name for name, holds in self.milestones.items() if name not in reached and holds(state)
+        ]
+        events = [
+            prepare_event(
+                ctx.thread_id,
+                EventKind.MILESTONE_REACHED,
+                {"name": name, "checkpoint_id": ctx.checkpoint_id},
+                checkpoint_id=ctx.checkpoint_id,
+                checkpoint_ns=ctx.graph_ns,
+            )
+            for name in new
+        ]
+        return [*sorted(reached), *new] if new else [], events
 
     def _start(
         self, state: Mapping[str, Any], ctx: RunContext
@@ -287,6 +310,8 @@ class ThinkNode:
         if stuck is not None:
             self.checkpointer.append_records(events)
             return stuck
+        milestones, reached_events = self._milestones(state, ctx)
+        events += reached_events
         marker = self._resume_marker(state, config)
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
@@ -304,7 +329,9 @@ class ThinkNode:
                 ai = load_message(recorded)
             else:
                 ai = self._call(ctx, [*messages, *extra], config, events)
-            flow = {"resumed_seq": marker.get("seq")} if marker else None
+            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+            if milestones:
+                flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
         finally:
             self.checkpointer.append_records(events)
@@ -339,6 +366,8 @@ class ThinkNode:
         if stuck is not None:
             await self.checkpointer.aappend_records(events)
             return stuck
+        milestones, reached_events = self._milestones(state, ctx)
+        events += reached_events
         marker = self._resume_marker(state, config)
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
@@ -356,7 +385,9 @@ class ThinkNode:
                 ai = load_message(recorded)
             else:
                 ai = await self._acall(ctx, [*messages, *extra], config, events)
-            flow = {"resumed_seq": marker.get("seq")} if marker else None
+            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+            if milestones:
+                flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
         finally:
             await self.checkpointer.aappend_records(events)

@@ -1,0 +1,336 @@
+"""Holding a lease for a block of work: acquire, heartbeat, check, release.
+
+::
+
+    with hold(backend, thread_lease_name("t-1"), ttl=30) as held:
+        ...
+        held.check()               # before every side effect: raises LeaseLost if not ours
+        crm.create(..., fencing=held.fencing)
+
+The heartbeat renews every ``ttl / 3`` in a daemon thread (sync) or a task (async). A
+holder's validity is judged locally, from when each successful renewal was *sent* plus the
+TTL minus a drift margin, so ``check()`` answers without a round trip, and it turns false on
+time even if the heartbeat is stuck on a dead connection. A renewal refused by the backend
+(lease taken) ends the hold at once; a renewal that could not reach it is retried until that
+local deadline, since a short blip must not cost the lease.
+
+``check()`` narrows the window in which a superseded holder acts, it cannot close it (a
+pause can fall between the check and the effect). The fencing token closes it wherever the
+resource can compare tokens, e.g. the ledger row written in the same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Final
+
+from taskpilots_graph.errors import ConfigurationError, LeaseLost, LockBackendUnavailable
+from taskpilots_graph.locks.base import (
+    HoldStatus,
+    Lease,
+    LeaseBackend,
+    business_lock_name,
+    busy_error,
+    new_owner,
+    poll_delay,
+)
+
+__all__ = ["AsyncHold", "Hold", "abusiness_lock", "ahold", "business_lock", "hold"]
+
+_log: Final = logging.getLogger("taskpilots_graph.locks")
+
+
+class _Holding:
+    """State and checks shared by the sync and async holders (no I/O)."""
+
+    def __init__(self, backend: LeaseBackend, status: HoldStatus, interval: float) -> None:
+        self.backend = backend
+        self.interval = interval
+        # Replaced whole by the heartbeat, read by the caller: see HoldStatus.
+        self._status = status
+
+    @property
+    def lease(self) -> Lease:
+        """The lease as last granted or renewed."""
+        return self._status.lease
+
+    @property
+    def name(self) -> str:
+        return self._status.lease.name
+
+    @property
+    def owner(self) -> str:
+        return self._status.lease.owner
+
+    @property
+    def fencing(self) -> int:
+        """The fencing token of this acquisition; renewals keep it."""
+        return self._status.lease.fencing
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease can no longer be trusted (renewal refused, or TTL passed)."""
+        return self._status.lost_at(time.monotonic()) is not None
+
+    def remaining(self) -> float:
+        """Seconds this holder may still trust its lease without another renewal."""
+        if self.lost:
+            return 0.0
+        return max(0.0, self._status.valid_until - time.monotonic())
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` unless the lease is still ours; call before each effect."""
+        status = self._status
+        reason = status.lost_at(time.monotonic())
+        if reason is not None:
+            raise LeaseLost(status.lease.name, reason, fencing=status.lease.fencing)
+
+    def _after_renewal(self, sent_at: float, result: Lease | BaseException) -> bool:
+        """Fold one renewal outcome into the status; whether to keep beating."""
+        status = self._status
+        if isinstance(result, Lease):
+            self._status = status.renewed(result, sent_at, time.monotonic())
+        elif isinstance(result, LeaseLost):
+            self._status = status.taken(result.reason)
+        else:
+            # Unreachable backend, or anything unexpected: the lease is still valid until
+            # its local deadline; retry sooner until then.
+            expected = isinstance(result, LockBackendUnavailable)
+            _log.warning(
+                "renewing lease %r failed: %s", status.lease.name, result, exc_info=not expected
+            )
+            self._status = status.unreachable()
+        return self._status.lost_at(time.monotonic()) is None
+
+    def _release_failed(self, exc: LockBackendUnavailable) -> None:
+        # Never raised: the block's own outcome matters more, and the TTL frees the name.
+        _log.warning("could not release lease %r (it expires by itself): %s", self.name, exc)
+
+
+class Hold(_Holding):
+    """A lease held by :func:`hold`, renewed by a background thread until the block exits."""
+
+    def __init__(self, backend: LeaseBackend, status: HoldStatus, interval: float) -> None:
+        super().__init__(backend, status, interval)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"taskpilots-lease:{self.name}", daemon=True
+        )
+
+    def _beat(self) -> None:
+        delay = self.interval
+        while not self._stop.wait(delay):
+            sent_at = time.monotonic()
+            result: Lease | BaseException
+            try:
+                result = self.backend.renew(self._status.lease)
+            except Exception as exc:
+                result = exc
+            if not self._after_renewal(sent_at, result):
+                return
+            delay = self._status.next_beat(self.interval)
+
+    def _finish(self) -> None:
+        self._stop.set()
+        self._thread.join()  # a renewal in flight ends before the release below
+        try:
+            self.backend.release(self._status.lease)
+        except LockBackendUnavailable as exc:
+            self._release_failed(exc)
+
+
+class AsyncHold(_Holding):
+    """A lease held by :func:`ahold`, renewed by a task until the block exits."""
+
+    def __init__(self, backend: LeaseBackend, status: HoldStatus, interval: float) -> None:
+        super().__init__(backend, status, interval)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        delay = self.interval
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            if self._stop.is_set():
+                return
+            sent_at = time.monotonic()
+            result: Lease | BaseException
+            try:
+                result = await self.backend.arenew(self._status.lease)
+            except Exception as exc:
+                result = exc
+            if not self._after_renewal(sent_at, result):
+                return
+            delay = self._status.next_beat(self.interval)
+
+    async def _finish(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task  # not cancelled: a renewal in flight completes cleanly
+        try:
+            await self.backend.arelease(self._status.lease)
+        except LockBackendUnavailable as exc:
+            self._release_failed(exc)
+
+
+def _interval(ttl: float, heartbeat: float | None) -> float:
+    interval = ttl / 3 if heartbeat is None else heartbeat
+    if not 0 < interval < ttl:
+        raise ConfigurationError(f"heartbeat must be in (0, ttl={ttl}), got {heartbeat}")
+    return interval
+
+
+def _wait_deadline(wait: bool, timeout: float | None) -> tuple[bool, float | None]:
+    """(whether to wait, monotonic deadline or None for no limit); a timeout implies waiting."""
+    if timeout is None:
+        return wait, None
+    if timeout < 0:
+        raise ConfigurationError(f"timeout must be >= 0, got {timeout}")
+    return True, time.monotonic() + timeout
+
+
+def _acquire(
+    backend: LeaseBackend, name: str, owner: str, ttl: float, wait: bool, timeout: float | None
+) -> HoldStatus:
+    waiting, deadline = _wait_deadline(wait, timeout)
+    attempt = 0
+    while True:
+        sent_at = time.monotonic()
+        lease = backend.acquire(name, owner, ttl)
+        if lease is not None:
+            return HoldStatus.granted(lease, sent_at)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if not waiting or (remaining is not None and remaining <= 0):
+            raise busy_error(name, backend.holder(name))
+        time.sleep(poll_delay(attempt, remaining))
+        attempt += 1
+
+
+async def _aacquire(
+    backend: LeaseBackend, name: str, owner: str, ttl: float, wait: bool, timeout: float | None
+) -> HoldStatus:
+    waiting, deadline = _wait_deadline(wait, timeout)
+    attempt = 0
+    while True:
+        sent_at = time.monotonic()
+        lease = await backend.aacquire(name, owner, ttl)
+        if lease is not None:
+            return HoldStatus.granted(lease, sent_at)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if not waiting or (remaining is not None and remaining <= 0):
+            raise busy_error(name, await backend.aholder(name))
+        await asyncio.sleep(poll_delay(attempt, remaining))
+        attempt += 1
+
+
+@contextmanager
+def hold(
+    backend: LeaseBackend,
+    name: str,
+    *,
+    ttl: float,
+    wait: bool = False,
+    timeout: float | None = None,
+    owner: str | None = None,
+    heartbeat: float | None = None,
+) -> Iterator[Hold]:
+    """Hold the lease on ``name`` for the ``with`` block, renewing it in the background.
+
+    Args:
+        backend: Where the lease lives.
+        name: The lease name, e.g. :func:`~taskpilots_graph.locks.thread_lease_name`.
+        ttl: Seconds the lease outlives a crashed holder. Pick it above the p99 of the
+            longest pause between two heartbeats; the heartbeat renews every ``ttl / 3``.
+        wait: Wait for a busy name to become free instead of failing at once.
+        timeout: The longest to wait (implies ``wait``); ``None`` with ``wait`` waits forever.
+        owner: Owner token; a fresh :func:`~taskpilots_graph.locks.new_owner` by default.
+            It must be unique per hold: two holds given the same owner share one lease
+            (acquire is idempotent per owner), and the first to exit releases it.
+        heartbeat: Seconds between renewals, instead of ``ttl / 3``.
+
+    Yields:
+        The :class:`Hold`: ``.fencing``, ``.lost``, ``.check()``, ``.remaining()``.
+
+    Raises:
+        ThreadBusy: The name is held by someone else (after waiting, if asked to).
+        LockBackendUnavailable: The backend cannot be reached; nothing was acquired.
+    """
+    interval = _interval(ttl, heartbeat)
+    status = _acquire(backend, name, owner or new_owner(), ttl, wait, timeout)
+    held = Hold(backend, status, interval)
+    held._thread.start()
+    try:
+        yield held
+    finally:
+        held._finish()
+
+
+@asynccontextmanager
+async def ahold(
+    backend: LeaseBackend,
+    name: str,
+    *,
+    ttl: float,
+    wait: bool = False,
+    timeout: float | None = None,
+    owner: str | None = None,
+    heartbeat: float | None = None,
+) -> AsyncIterator[AsyncHold]:
+    """Async form of :func:`hold`: the heartbeat is a task on the running loop."""
+    interval = _interval(ttl, heartbeat)
+    status = await _aacquire(backend, name, owner or new_owner(), ttl, wait, timeout)
+    held = AsyncHold(backend, status, interval)
+    held._task = asyncio.create_task(held._beat(), name=f"taskpilots-lease:{name}")
+    try:
+        yield held
+    finally:
+        await held._finish()
+
+
+def business_lock(
+    backend: LeaseBackend,
+    object_id: str,
+    operation: str,
+    *,
+    ttl: float,
+    wait: bool = False,
+    timeout: float | None = None,
+    owner: str | None = None,
+    heartbeat: float | None = None,
+) -> contextlib.AbstractContextManager[Hold]:
+    """Hold the lock on ``operation`` of a business object, e.g. ``("order-42", "refund")``.
+
+    The same lease as :func:`hold`, on the name ``lock:<object_id>:<operation>``, so two
+    agents can never both "create the order". Pass ``.fencing`` on to the service or the
+    ledger where it can be compared. An unreachable backend raises
+    ``LockBackendUnavailable``: the effect must then wait or escalate, never run unlocked.
+    """
+    name = business_lock_name(object_id, operation)
+    return hold(
+        backend, name, ttl=ttl, wait=wait, timeout=timeout, owner=owner, heartbeat=heartbeat
+    )
+
+
+def abusiness_lock(
+    backend: LeaseBackend,
+    object_id: str,
+    operation: str,
+    *,
+    ttl: float,
+    wait: bool = False,
+    timeout: float | None = None,
+    owner: str | None = None,
+    heartbeat: float | None = None,
+) -> contextlib.AbstractAsyncContextManager[AsyncHold]:
+    """Async form of :func:`business_lock`."""
+    name = business_lock_name(object_id, operation)
+    return ahold(
+        backend, name, ttl=ttl, wait=wait, timeout=timeout, owner=owner, heartbeat=heartbeat
+    )

@@ -1,0 +1,179 @@
+"""Leases in a SQLite file: embedded mode, several processes on one machine.
+
+The same table as on PostgreSQL (``taskpilots_leases``) plus a one-row fencing counter,
+usually in the checkpointer's own file. Every call opens its own connection and runs in a
+``BEGIN IMMEDIATE`` transaction: SQLite admits one writer per file, so the read of the row
+and the write that follows can never interleave with another process's. The decision in
+between is the shared pure core (:func:`~taskpilots_graph.locks.base.grant` and friends).
+
+Times are the library clock's (all processes share one machine, hence one clock). The async
+methods run the sync ones in a worker thread: SQLite calls block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from typing import Final
+
+from taskpilots_graph import _clock
+from taskpilots_graph.checkpointers.sqlite import SqliteStore
+from taskpilots_graph.errors import ConfigurationError, LeaseLost
+from taskpilots_graph.errors import LockBackendUnavailable as Unavailable
+from taskpilots_graph.locks.base import (
+    Lease,
+    LeaseBackendBase,
+    check_lease_args,
+    current_lease,
+    extend,
+    grant,
+    same_holder,
+)
+
+__all__ = ["SqliteLeaseBackend"]
+
+_SELECT: Final = "SELECT owner, fencing, expires_at FROM taskpilots_leases WHERE name = ?"
+_UPSERT: Final = """
+    INSERT INTO taskpilots_leases (name, owner, fencing, expires_at) VALUES (?, ?, ?, ?)
+    ON CONFLICT (name) DO UPDATE SET
+        owner = excluded.owner, fencing = excluded.fencing, expires_at = excluded.expires_at
+"""
+_LAST_FENCING: Final = "SELECT last FROM taskpilots_lease_fencing WHERE id = 1"
+_SET_FENCING: Final = """
+    INSERT INTO taskpilots_lease_fencing (id, last) VALUES (1, ?)
+    ON CONFLICT (id) DO UPDATE SET last = excluded.last
+"""
+_DELETE: Final = "DELETE FROM taskpilots_leases WHERE name = ? AND owner = ? AND fencing = ?"
+
+
+class SqliteLeaseBackend(LeaseBackendBase):
+    """Leases in a SQLite file, created (migrated) on first use like ``SqliteSaver``.
+
+    Args:
+        path: The database file; usually the checkpointer's.
+        busy_timeout: How long to wait for another process's write before
+            ``LockBackendUnavailable``.
+        clock: Seconds since the epoch; defaults to the library clock at each call.
+    """
+
+    kind = "sqlite"
+
+    def __init__(
+        self, path: str, *, busy_timeout: float = 10.0, clock: Callable[[], float] | None = None
+    ) -> None:
+        if path in ("", ":memory:") or path.startswith("file::memory:"):
+            raise ConfigurationError(
+                "an in-memory SQLite database is private to one connection and cannot share "
+                "leases; use a file path, or ':memory:' for the in-process backend"
+            )
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self._clock = clock
+        self._ready = False
+        self._setup_lock = threading.Lock()
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else _clock.now()
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: no implicit transactions, the BEGIN below is explicit.
+        return sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
+
+    def setup(self) -> None:
+        """Apply the recovery store's migrations (leases included) to the file; idempotent."""
+        with self._setup_lock:
+            if self._ready:
+                return
+            try:
+                with closing(sqlite3.connect(self.path, timeout=self.busy_timeout)) as conn:
+                    # The store migrates inside BEGIN IMMEDIATE: safe against other processes.
+                    SqliteStore(conn, threading.Lock()).setup()
+            except sqlite3.OperationalError as exc:
+                raise Unavailable("sqlite", f"{self.path}: {exc}") from exc
+            self._ready = True
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction on a connection of its own."""
+        self.setup()
+        try:
+            with closing(self._connect()) as conn:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    # SQLite may have rolled back already (e.g. disk full): don't mask the error.
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:  # locked too long, unreadable, disk full
+            raise Unavailable("sqlite", f"{self.path}: {exc}") from exc
+
+    @staticmethod
+    def _stored(conn: sqlite3.Connection, name: str, now: float) -> Lease | None:
+        row = conn.execute(_SELECT, (name,)).fetchone()
+        if row is None:
+            return None
+        owner, fencing, expires_at = row
+        return Lease(name, owner, int(fencing), float(expires_at), float(expires_at) - now)
+
+    @staticmethod
+    def _store(conn: sqlite3.Connection, lease: Lease) -> None:
+        conn.execute(_UPSERT, (lease.name, lease.owner, lease.fencing, lease.expires_at))
+
+    def acquire(self, name: str, owner: str, ttl: float) -> Lease | None:
+        check_lease_args(name, owner, ttl)
+        with self._write() as conn:
+            now = self._now()
+            (last,) = conn.execute(_LAST_FENCING).fetchone() or (0,)
+            lease = grant(self._stored(conn, name, now), name, owner, ttl, now, int(last))
+            if lease is not None:
+                self._store(conn, lease)
+                if lease.fencing > last:
+                    conn.execute(_SET_FENCING, (lease.fencing,))
+            return lease
+
+    def renew(self, lease: Lease) -> Lease:
+        with self._write() as conn:
+            now = self._now()
+            renewed = extend(self._stored(conn, lease.name, now), lease, now)
+            if renewed is not None:
+                self._store(conn, renewed)
+        if renewed is None:
+            raise LeaseLost(lease.name, "it expired or was taken over", fencing=lease.fencing)
+        return renewed
+
+    def release(self, lease: Lease) -> bool:
+        with self._write() as conn:
+            if not same_holder(self._stored(conn, lease.name, self._now()), lease):
+                return False
+            conn.execute(_DELETE, (lease.name, lease.owner, lease.fencing))
+            return True
+
+    def holder(self, name: str) -> Lease | None:
+        self.setup()
+        now = self._now()
+        try:
+            with closing(self._connect()) as conn:
+                return current_lease(self._stored(conn, name, now), now)
+        except sqlite3.OperationalError as exc:
+            raise Unavailable("sqlite", f"{self.path}: {exc}") from exc
+
+    async def asetup(self) -> None:
+        await asyncio.to_thread(self.setup)
+
+    async def aacquire(self, name: str, owner: str, ttl: float) -> Lease | None:
+        return await asyncio.to_thread(self.acquire, name, owner, ttl)
+
+    async def arenew(self, lease: Lease) -> Lease:
+        return await asyncio.to_thread(self.renew, lease)
+
+    async def arelease(self, lease: Lease) -> bool:
+        return await asyncio.to_thread(self.release, lease)
+
+    async def aholder(self, name: str) -> Lease | None:
+        return await asyncio.to_thread(self.holder, name)
