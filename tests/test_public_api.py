@@ -71,6 +71,7 @@ def test_public_classes_and_functions_are_exported() -> None:
             "merge_steps",
             "parse_decision",
             "validate_policies",
+            "mark_superseded",
             "DECISION_ACTIONS",
         }
         missing = public - internal - set(tp.__all__)
