@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from taskpilots_graph.agent import create_recovery_agent
+from taskpilots_graph.agent import check_retry_owner, create_recovery_agent
 from taskpilots_graph.checkpointers import (
     ArtifactRef,
     ArtifactStore,
@@ -130,6 +130,7 @@ __all__ = [
     "aresume",
     "arewind",
     "build_resume_prompt",
+    "check_retry_owner",
     "classify",
     "create_recovery_agent",
     "current_invocation",

@@ -22,7 +22,36 @@ from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import ModelPolicy, ToolPolicy
 from taskpilots_graph.state import RecoveryState
 
-__all__ = ["create_recovery_agent"]
+__all__ = ["check_retry_owner", "create_recovery_agent"]
+
+
+def _recovery_node(runnable: Any) -> bool:
+    """Whether a graph node is one of ours (bound methods of our node classes)."""
+    func = getattr(runnable, "func", None) or getattr(runnable, "afunc", None) or runnable
+    owner = getattr(func, "__self__", None)
+    return isinstance(owner, RecoveryExecutor | ThinkNode | RecoveryRouter)
+
+
+def check_retry_owner(
+    graph: StateGraph[Any, Any, Any, Any] | CompiledStateGraph[Any, Any, Any, Any],
+) -> None:
+    """Refuse a graph in which LangGraph's ``RetryPolicy`` would retry a recovery node.
+
+    One layer owns retries: LangGraph re-running the act node would bypass the tool
+    policies (attempt budgets, backoff, the ledger's pre-check path) and multiply them.
+    Call it on custom graphs built from the recovery nodes; ``create_recovery_agent`` does.
+
+    Raises:
+        ConfigurationError: Naming the node, with the fix.
+    """
+    builder = getattr(graph, "builder", graph)
+    for name, spec in getattr(builder, "nodes", {}).items():
+        if spec.retry_policy and _recovery_node(spec.runnable):
+            raise ConfigurationError(
+                f"node {name!r} runs a recovery node and also has a LangGraph retry_policy; "
+                "one layer owns retries: drop retry_policy and set tp.ToolPolicy(max_attempts=...) "
+                "for the tool instead"
+            )
 
 
 def _after_act(state: dict[str, Any]) -> str:
@@ -132,4 +161,5 @@ def create_recovery_agent(
     builder.add_conditional_edges("act", _after_act, ["recover", "think"])
     builder.add_edge("compensate", "fail")
     builder.add_edge("fail", END)
+    check_retry_owner(builder)
     return builder.compile(checkpointer=checkpointer, name=name)

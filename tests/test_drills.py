@@ -345,3 +345,22 @@ def test_random_failures_respect_policy_and_never_repeat_an_effect(
         (request,) = result["__interrupt__"]
         assert uncertain
         assert request.value["uncertain_effects"][0]["key"] == uncertain[0]
+
+
+def test_langgraph_retry_policy_on_a_recovery_node_is_refused() -> None:
+    """One layer owns retries: a RetryPolicy on the act node is a configuration error."""
+    from langchain_core.runnables import RunnableLambda
+    from langgraph.graph import StateGraph
+    from langgraph.types import RetryPolicy
+
+    with tp.RecoveryCheckpointer.from_conn_string(":memory:") as cp:
+        act = tp.RecoveryExecutor([read_tool("kb_search")], checkpointer=cp)
+        builder = StateGraph(tp.RecoveryState)
+        builder.add_node("act", RunnableLambda(act.invoke), retry_policy=RetryPolicy())
+        builder.add_edge("__start__", "act")
+        with pytest.raises(tp.ConfigurationError, match="one layer owns retries"):
+            tp.check_retry_owner(builder)
+        plain = StateGraph(tp.RecoveryState)
+        plain.add_node("act", RunnableLambda(act.invoke))
+        plain.add_edge("__start__", "act")
+        tp.check_retry_owner(plain.compile())  # without a retry policy: fine
