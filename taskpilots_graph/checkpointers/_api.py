@@ -12,6 +12,7 @@ Artifacts go to the recovery store unless an :class:`ArtifactStore` was plugged 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -107,12 +108,14 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             CorruptRecordError: If a stored event cannot be decoded.
         """
+        self.append_records([], flush=thread_id)  # read your own deferred events too
         return mark_superseded(
             cast(list[Event], self._call("events", thread_id, after_seq=after_seq))
         )
 
     async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """Async form of :meth:`events`."""
+        await self.aappend_records([], flush=thread_id)
         return mark_superseded(
             cast(list[Event], await self._acall("events", thread_id, after_seq=after_seq))
         )
@@ -148,10 +151,18 @@ class RecoveryAPI(DelegatingSaver):
     ) -> list[Event]:
         """Insert or compare-and-set an entry and its events in one durable transaction.
 
+        Events deferred for the entry's thread (:meth:`defer_records`) go in the same
+        transaction, before ``events``.
+
         Raises:
             LedgerConflict: If another run changed the entry first.
         """
-        return cast(list[Event], self._call("ledger_write", entry, expect=expect, events=events))
+        batch = [*self._take_deferred({entry.thread_id}), *events]
+        try:
+            return cast(list[Event], self._call("ledger_write", entry, expect=expect, events=batch))
+        except BaseException:
+            self._restore_deferred(batch[: len(batch) - len(events)])
+            raise
 
     async def awrite_ledger(
         self,
@@ -161,17 +172,72 @@ class RecoveryAPI(DelegatingSaver):
         events: Sequence[EventRecord] = (),
     ) -> list[Event]:
         """Async form of :meth:`write_ledger`."""
-        return cast(
-            list[Event], await self._acall("ledger_write", entry, expect=expect, events=events)
-        )
+        batch = [*self._take_deferred({entry.thread_id}), *events]
+        try:
+            return cast(
+                list[Event], await self._acall("ledger_write", entry, expect=expect, events=batch)
+            )
+        except BaseException:
+            self._restore_deferred(batch[: len(batch) - len(events)])
+            raise
 
-    def append_records(self, records: Sequence[EventRecord]) -> list[Event]:
-        """Append prepared events in one durable transaction (executor use)."""
-        return cast(list[Event], self._call("append_events", records)) if records else []
+    def append_records(
+        self, records: Sequence[EventRecord], *, flush: str | None = None
+    ) -> list[Event]:
+        """Append prepared events in one durable transaction (node use).
 
-    async def aappend_records(self, records: Sequence[EventRecord]) -> list[Event]:
+        Events deferred for the same threads (and for ``flush``) go first.
+        """
+        batch = self._with_deferred(records, flush)
+        return cast(list[Event], self._call("append_events", batch)) if batch else []
+
+    async def aappend_records(
+        self, records: Sequence[EventRecord], *, flush: str | None = None
+    ) -> list[Event]:
         """Async form of :meth:`append_records`."""
-        return cast(list[Event], await self._acall("append_events", records)) if records else []
+        batch = self._with_deferred(records, flush)
+        return cast(list[Event], await self._acall("append_events", batch)) if batch else []
+
+    # -- deferred events ---------------------------------------------------------------------
+    # Events that need no durability of their own (pure tool calls, step summaries) wait in
+    # memory and ride along with the thread's next durable write, so a side-effecting step
+    # costs exactly its two ledger writes. A crash loses only deferred events; ledger facts
+    # and their events are always written in their own transaction.
+
+    def defer_records(self, records: Sequence[EventRecord]) -> None:
+        """Keep events until the thread's next durable write."""
+        if records:
+            with self._deferred_lock():
+                for record in records:
+                    self._deferred().setdefault(record.thread_id, []).append(record)
+
+    def _deferred(self) -> dict[str, list[EventRecord]]:
+        pending: dict[str, list[EventRecord]] | None = self.__dict__.get("_pending_events")
+        if pending is None:
+            pending = self.__dict__.setdefault("_pending_events", {})
+        return pending
+
+    def _deferred_lock(self) -> threading.Lock:
+        lock: threading.Lock | None = self.__dict__.get("_pending_lock")
+        if lock is None:
+            lock = self.__dict__.setdefault("_pending_lock", threading.Lock())
+        return lock
+
+    def _take_deferred(self, thread_ids: set[str]) -> list[EventRecord]:
+        with self._deferred_lock():
+            pending = self._deferred()
+            return [r for t in sorted(thread_ids) for r in pending.pop(t, [])]
+
+    def _restore_deferred(self, records: Sequence[EventRecord]) -> None:
+        with self._deferred_lock():
+            for record in reversed(records):
+                self._deferred().setdefault(record.thread_id, []).insert(0, record)
+
+    def _with_deferred(
+        self, records: Sequence[EventRecord], flush: str | None
+    ) -> list[EventRecord]:
+        threads = {r.thread_id for r in records} | ({flush} if flush else set())
+        return [*self._take_deferred(threads), *records] if threads else list(records)
 
     # -- model decisions ---------------------------------------------------------------------
 

@@ -140,15 +140,16 @@ class PostgresStore:
                 yield self.conn
 
     @contextmanager
-    def _transaction(self) -> Iterator[Any]:
+    def _transaction(self, *, write: bool = True) -> Iterator[Any]:
+        # Reads run as single autocommit statements: no BEGIN/SET/COMMIT round trips.
         try:
-            with (
-                self._connection() as conn,
-                conn.transaction(),
-                conn.cursor(row_factory=tuple_row) as cur,
-            ):
-                cur.execute(_DURABLE)
-                yield cur
+            with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+                if not write:
+                    yield cur
+                    return
+                with conn.transaction():
+                    cur.execute(_DURABLE)
+                    yield cur
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc
 
@@ -194,7 +195,7 @@ class PostgresStore:
             return _append_all(cur, records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
         return rows_to_events(rows)
 
@@ -204,7 +205,7 @@ class PostgresStore:
                 cur.execute(statement, (thread_id,))
 
     def ledger_get(self, key: str) -> LedgerEntry | None:
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
         return None if row is None else row_to_entry(row)
 
@@ -223,13 +224,13 @@ class PostgresStore:
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             rows = cur.execute(statement, params).fetchall()
         return [row_to_entry(row) for row in rows]
 
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         params = decision_params(thread_id, checkpoint_ns, input_digest)
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["decision_get"], params).fetchone()
         return None if row is None else str(row[0])
 
@@ -252,7 +253,7 @@ class PostgresStore:
 
     def get_artifact(self, artifact_id: str) -> bytes | None:
         # binary=True: the payload comes back as raw bytes, not as hex text twice its size.
-        with self._transaction() as cur:
+        with self._transaction(write=False) as cur:
             row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True).fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
 
@@ -294,15 +295,15 @@ class AsyncPostgresStore:
                 yield self.conn
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[Any]:
+    async def _transaction(self, *, write: bool = True) -> AsyncIterator[Any]:
         try:
-            async with (
-                self._connection() as conn,
-                conn.transaction(),
-                conn.cursor(row_factory=tuple_row) as cur,
-            ):
-                await cur.execute(_DURABLE)
-                yield cur
+            async with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+                if not write:
+                    yield cur
+                    return
+                async with conn.transaction():
+                    await cur.execute(_DURABLE)
+                    yield cur
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc
 
@@ -341,7 +342,7 @@ class AsyncPostgresStore:
             return await _aappend_all(cur, records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        async with self._transaction() as cur:
+        async with self._transaction(write=False) as cur:
             await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq))
             rows = await cur.fetchall()
         return rows_to_events(rows)
@@ -352,7 +353,7 @@ class AsyncPostgresStore:
                 await cur.execute(statement, (thread_id,))
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
-        async with self._transaction() as cur:
+        async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["get"], {"key": key})
             row = await cur.fetchone()
         return None if row is None else row_to_entry(row)
@@ -373,7 +374,7 @@ class AsyncPostgresStore:
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
-        async with self._transaction() as cur:
+        async with self._transaction(write=False) as cur:
             await cur.execute(statement, params)
             rows = await cur.fetchall()
         return [row_to_entry(row) for row in rows]
@@ -382,7 +383,7 @@ class AsyncPostgresStore:
         self, thread_id: str, checkpoint_ns: str, input_digest: str
     ) -> str | None:
         params = decision_params(thread_id, checkpoint_ns, input_digest)
-        async with self._transaction() as cur:
+        async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["decision_get"], params)
             row = await cur.fetchone()
         return None if row is None else str(row[0])
@@ -406,7 +407,7 @@ class AsyncPostgresStore:
                 await cur.execute(_ARTIFACTS["put"], artifact.params())
 
     async def get_artifact(self, artifact_id: str) -> bytes | None:
-        async with self._transaction() as cur:
+        async with self._transaction(write=False) as cur:
             await cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True)
             row = await cur.fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)

@@ -12,7 +12,7 @@ Calls already answered are never run again, so a retry re-runs that step only. T
 checkpoint LangGraph writes after this node is the recovery anchor.
 
 Durable writes: each side effect costs two (intent, commit), each carrying its events; the
-events of pure tools and of the step are written in one batch at the end of the step.
+events of pure tools and of the step are deferred to the thread's next durable write.
 """
 
 from __future__ import annotations
@@ -324,9 +324,13 @@ class RecoveryExecutor:
                 except SideEffectUncertain as exc:
                     outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
-            return self._finish(step, outcomes)
-        finally:
-            cp.append_records(step.take_pending())
+            update = self._finish(step, outcomes)
+        except BaseException:
+            cp.append_records(step.take_pending(), flush=step.ctx.thread_id)
+            raise
+        # Pure-tool and step events ride along with the thread's next durable write.
+        cp.defer_records(step.take_pending())
+        return update
 
     def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
@@ -384,9 +388,12 @@ class RecoveryExecutor:
                 except SideEffectUncertain as exc:
                     outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
-            return self._finish(step, outcomes)
-        finally:
-            await cp.aappend_records(step.take_pending())
+            update = self._finish(step, outcomes)
+        except BaseException:
+            await cp.aappend_records(step.take_pending(), flush=step.ctx.thread_id)
+            raise
+        cp.defer_records(step.take_pending())
+        return update
 
     async def _adrive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer

@@ -247,6 +247,7 @@ class WaitNode:
         )
         remaining = due - now
         if remaining > limit:
+            self.executor.checkpointer.append_records([], flush=ctx.thread_id)
             raise ToolWaiting(ctx.thread_id, due)
         # Clear the schedule of every step that is due by then, so act runs them.
         cleared = {

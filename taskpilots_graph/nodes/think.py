@@ -211,6 +211,13 @@ class ThinkNode:
             return events, Command(goto="takeover", update={"flow": flow})
         return events, None
 
+    @staticmethod
+    def _may_replay(ctx: RunContext, marker: Mapping[str, Any] | None) -> bool:
+        # A recorded decision exists only where a run stopped while its checkpoint was not
+        # yet durable: after a resume, or in a run that is not "sync". A fresh "sync" run
+        # skips the lookup (one read per decision saved).
+        return marker is not None or ctx.durability != "sync"
+
     def _resume_marker(
         self, state: Mapping[str, Any], config: RunnableConfig
     ) -> Mapping[str, Any] | None:
@@ -323,8 +330,11 @@ class ThinkNode:
                 if self.resume.acknowledge:
                     ack = self._call(ctx, [*messages, *extra], config, events)
                     extra += self._acknowledged(ctx, ack, events)
-            digest = messages_digest(messages)
-            recorded = self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, digest)
+            recorded = (
+                self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, messages_digest(messages))
+                if self._may_replay(ctx, marker)
+                else None
+            )
             if recorded is not None:
                 ai = load_message(recorded)
             else:
@@ -379,8 +389,13 @@ class ThinkNode:
                 if self.resume.acknowledge:
                     ack = await self._acall(ctx, [*messages, *extra], config, events)
                     extra += self._acknowledged(ctx, ack, events)
-            digest = messages_digest(messages)
-            recorded = await self.checkpointer.adecision(ctx.thread_id, ctx.graph_ns, digest)
+            recorded = (
+                await self.checkpointer.adecision(
+                    ctx.thread_id, ctx.graph_ns, messages_digest(messages)
+                )
+                if self._may_replay(ctx, marker)
+                else None
+            )
             if recorded is not None:
                 ai = load_message(recorded)
             else:
