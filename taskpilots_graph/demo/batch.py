@@ -78,6 +78,14 @@ def _plain_saver(conn_string: str) -> Any:
     return SqliteSaver.from_conn_string(conn_string.removeprefix("sqlite:///"))
 
 
+READY = "ready"
+"""What a worker prints once it is set up: timed kills count from here, not from spawn."""
+
+
+def _ready() -> None:
+    print(READY, flush=True)
+
+
 def run_batch(
     mode: Mode, conn_string: str, services_path: str, tickets: list[dict[str, Any]]
 ) -> None:
@@ -89,6 +97,7 @@ def run_batch(
     if mode == "agent":
         with tp.RecoveryCheckpointer.from_conn_string(conn_string) as cp:
             cp.setup()
+            _ready()
             graph = build_recovery_agent(model, services, cp)
             for ticket in tickets:
                 cfg: RunnableConfig = {"configurable": {"thread_id": thread_id(ticket)}}
@@ -102,6 +111,7 @@ def run_batch(
         return
     with _plain_saver(conn_string) as saver:
         saver.setup()
+        _ready()
         graph = build_plain_graph(model, services, saver)
         for ticket in tickets:
             cfg = {"configurable": {"thread_id": thread_id(ticket)}}
@@ -224,13 +234,18 @@ def drill(
     kills = runs = 0
     while runs < max_runs:
         runs += 1
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        # Interpreter start-up takes seconds on a loaded machine: a kill timed from spawn
+        # would mostly land in the imports, before any tool ran.
+        proc.stdout.readline()
         if timed_kills > 0:
             try:
-                proc.wait(timeout=rng.uniform(1.2, 3.5))
+                proc.wait(timeout=rng.uniform(0.05, 2.5))
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
                 timed_kills -= 1
+        proc.stdout.read()
         code = proc.wait()
         if code == -signal.SIGKILL:
             kills += 1
