@@ -10,16 +10,19 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
 from langgraph.types import Command, StateSnapshot
+from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import (
     ConfigurationError,
+    InvalidDecision,
     NoPendingTakeover,
     PendingTakeover,
     ThreadNotFound,
 )
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
@@ -190,13 +193,42 @@ async def apending_takeovers(
     return requests
 
 
-def _answer(snapshot: StateSnapshot, thread_id: str, decision: Decision) -> Command[Any]:
+def _answer(
+    graph: Pregel[Any, Any], snapshot: StateSnapshot, thread_id: str, decision: Decision
+) -> Command[Any]:
     pending = [i for i in snapshot.interrupts if isinstance(i.value, dict) and "options" in i.value]
     if not pending:
         raise NoPendingTakeover(thread_id)
     (interrupt,) = pending[:1]
-    targets(snapshot.values, decision)  # raises InvalidDecision for a step that does not wait
+    chosen = targets(snapshot.values, decision)  # InvalidDecision for a step that does not wait
+    if decision.action == "edit_args":
+        _check_args(graph, chosen[0].get("using") or chosen[0].get("tool") or "", decision)
     return Command(resume={interrupt.id: decision.model_dump(mode="json")})
+
+
+def _executor(graph: Pregel[Any, Any]) -> RecoveryExecutor | None:
+    builder = getattr(graph, "builder", None)
+    for spec in getattr(builder, "nodes", {}).values():
+        func = getattr(spec.runnable, "func", None)
+        owner = getattr(func, "__self__", None)
+        if isinstance(owner, RecoveryExecutor):
+            return owner
+    return None
+
+
+def _check_args(graph: Pregel[Any, Any], tool_name: str, decision: Decision) -> None:
+    """Validate edited arguments against the tool's schema before anything changes."""
+    executor = _executor(graph)
+    tool = executor.tools.get(tool_name) if executor is not None else None
+    schema = getattr(tool, "args_schema", None)
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        try:
+            schema.model_validate(decision.args or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidDecision(f"edit_args does not fit {tool_name}: {problems}") from exc
 
 
 def decide(
@@ -228,7 +260,7 @@ def decide(
     if cp.get_tuple(cfg) is None:
         raise ThreadNotFound(thread_id)
     snapshot = graph.get_state(cfg)
-    command = _answer(snapshot, thread_id, parsed)
+    command = _answer(graph, snapshot, thread_id, parsed)
     if isinstance(cp, RecoveryAPI):
         event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
         _mark_resumed(cfg, event.seq, snapshot)
@@ -250,7 +282,7 @@ async def adecide(
     if await cp.aget_tuple(cfg) is None:
         raise ThreadNotFound(thread_id)
     snapshot = await graph.aget_state(cfg)
-    command = _answer(snapshot, thread_id, parsed)
+    command = _answer(graph, snapshot, thread_id, parsed)
     if isinstance(cp, RecoveryAPI):
         event = await cp.aappend_event(
             thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}

@@ -288,11 +288,6 @@ def test_provide_result_commits_it_with_a_manual_proof(
     assert closed(stopped.graph)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nodes/takeover.py _command: provide_result closes the step but leaves its "
-    "`failure` set, so resume_facts/build_request drop it from the done steps",
-)
 def test_provided_result_counts_as_a_done_step(
     cp: tp.RecoveryCheckpointer, stopped: Stopped
 ) -> None:
@@ -304,11 +299,6 @@ def test_provided_result_counts_as_a_done_step(
     assert '- step 3: charge({"ref": "C"}) → receipt R-42' in prompt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nodes/takeover.py _command renders a non-str provided result with str() "
-    "(Python repr), not as JSON like the executor's answers",
-)
 def test_provided_structured_result_reaches_the_model_as_json(
     cp: tp.RecoveryCheckpointer, stopped: Stopped
 ) -> None:
@@ -343,11 +333,6 @@ def test_edit_args_calls_with_new_args_under_a_new_key(
     assert closed(stopped.graph)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner.decide does not check edit_args against the tool's schema: the decision "
-    "is applied (old entry superseded) and the call fails with a ValidationError",
-)
 def test_edit_args_that_do_not_fit_the_tool_are_invalid(
     cp: tp.RecoveryCheckpointer, stopped: Stopped
 ) -> None:

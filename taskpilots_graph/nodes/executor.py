@@ -50,7 +50,7 @@ from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import SideEffectTool, reset_invocation, set_invocation, spec_of
 
-__all__ = ["RecoveryExecutor", "pending_calls"]
+__all__ = ["RecoveryExecutor", "error_message", "pending_calls", "tool_content"]
 
 
 def pending_calls(messages: Sequence[BaseMessage]) -> tuple[AIMessage | None, list[ToolCall]]:
@@ -90,7 +90,8 @@ class _Step:
         return pending
 
 
-def _content(result: Any) -> str:
+def tool_content(result: Any) -> str:
+    """A tool result as ``ToolMessage`` content: text as is, anything else as JSON."""
     if isinstance(result, str):
         return result
     return json.dumps(result, default=str, ensure_ascii=False)
@@ -227,7 +228,7 @@ class RecoveryExecutor:
             base.update({"status": "closed", "failure": None, "result": "unknown tool"})
             return base, error_message(call, f"Error: unknown tool {item.ctx.tool!r}")
         if outcome.failure is None:
-            content = _content(outcome.result)
+            content = tool_content(outcome.result)
             base.update({"status": "closed", "failure": None, "result": content[:200]})
             return base, ToolMessage(
                 content=content, tool_call_id=call["id"] or "", name=call["name"]

@@ -35,7 +35,7 @@ from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.nodes._context import RunContext, run_context
 from taskpilots_graph.nodes.compensate import ABANDONED
-from taskpilots_graph.nodes.executor import error_message, pending_calls
+from taskpilots_graph.nodes.executor import error_message, pending_calls, tool_content
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 
@@ -250,6 +250,7 @@ def _ledger_move(
             entry,
             status=LedgerStatus.COMMITTED,
             result=decision.result,
+            error=None,
             proof={"manual": True, "decided_by": who, "note": decision.note},
             updated_at=now,
         )
@@ -283,9 +284,13 @@ def _command(
     ids = [r.get("tool_call_id") or "" for r in chosen]
     action = decision.action
     if action == "abandon":
+        closed_steps: dict[str, StepRecord] = {i: {"status": "closed"} for i in ids}
         return Command(
             goto="compensate",
-            update={"flow": {"stage": "compensating", "reason": ABANDONED}},
+            update={
+                "steps": closed_steps,
+                "flow": {"stage": "compensating", "reason": ABANDONED, "takeover": False},
+            },
         )
     if action in ("retry", "edit_args"):
         reset: dict[str, StepRecord] = {}
@@ -305,12 +310,19 @@ def _command(
     by_id = {c["id"]: c for c in calls}
     messages: list[ToolMessage] = []
     closed: dict[str, StepRecord] = {}
-    for call_id in ids:
+    committed: list[str] = []
+    for call_id, record in zip(ids, chosen, strict=True):
         call = by_id[call_id]
         if action == "skip":
             messages.append(error_message(call, "Skipped by a person; do not call it again."))
-        else:
-            content = decision.result if isinstance(decision.result, str) else str(decision.result)
-            messages.append(ToolMessage(content=content, tool_call_id=call_id, name=call["name"]))
-        closed[call_id] = {"status": "closed", "result": str(decision.result)[:_SUMMARY]}
+            closed[call_id] = {"status": "closed", "result": "skipped by a person"}
+            continue
+        content = tool_content(decision.result)
+        messages.append(ToolMessage(content=content, tool_call_id=call_id, name=call["name"]))
+        # A provided result is the step's result: the step counts as done.
+        closed[call_id] = {"status": "closed", "failure": None, "result": content[:_SUMMARY]}
+        if record.get("key"):
+            committed.append(str(record["key"]))
+    if committed:
+        flow["committed"] = committed
     return Command(goto="think", update={"steps": closed, "messages": messages, "flow": flow})

@@ -96,8 +96,10 @@ class ResumeContext:
             raise ConfigurationError(
                 f"ResumeContext.language must be 'en' or 'zh', got {self.language!r}"
             )
-        if not isinstance(self.max_chars, int) or self.max_chars < 400:
-            raise ConfigurationError("ResumeContext.max_chars must be an int ≥ 400")
+        if not isinstance(self.max_chars, int) or self.max_chars < 1000:
+            raise ConfigurationError(
+                "ResumeContext.max_chars must be an int ≥ 1000 (room for the exact facts)"
+            )
 
 
 Model = BaseChatModel | Runnable[LanguageModelInput, BaseMessage]

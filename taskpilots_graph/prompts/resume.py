@@ -103,6 +103,10 @@ def build_resume_prompt(
 ) -> str:
     """Write the resume prompt, at most ``max_chars`` long whatever the history's length.
 
+    The budget must leave room for the exact facts (uncertain effects, pending steps,
+    blockers, the last observation), which are never cut; ``ResumeContext`` asks for at
+    least 1,000 characters.
+
     Args:
         facts: From :func:`resume_facts`.
         language: ``"en"`` or ``"zh"``.
@@ -138,15 +142,17 @@ def build_resume_prompt(
         return sum(len(line) + 1 for line in lines)
 
     budget = max_chars - size(head) - size(exact) - size(tail)
+    # Committed effects (newest first) may take two thirds of what is left; the trajectory
+    # gets the rest, so both keep at least their summary line.
     committed = _fit(
         [t["committed_item"].format(tool=tool, key=key) for tool, key in reversed(facts.committed)],
-        budget - len(t["committed_title"]) - 1,
+        budget * 2 // 3 - len(t["committed_title"]) - 1,
         lambda n: t["committed_more"].format(
             count=n, tools=_counts([tool for tool, _ in facts.committed[:n]])
         ),
     )
     committed_block = [t["committed_title"], *committed] if committed else []
-    budget -= size(committed_block)
+    budget -= size(committed_block) if committed_block else 0
     done_lines = [
         t["done_item"].format(number=i + 1, tool=tool, inputs=inputs, output=output)
         for i, (tool, inputs, output) in enumerate(facts.done)
@@ -163,8 +169,9 @@ def build_resume_prompt(
         )
     )
     done_block = [t["done_title"], *done] if done else []
-    text = "\n".join([*head, *done_block, *committed_block, *exact, *tail])
-    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"
+    # Sections are sized to the budget, so only exact facts alone larger than the budget can
+    # exceed it; those are never cut (a person-facing fact must not vanish).
+    return "\n".join([*head, *done_block, *committed_block, *exact, *tail])
 
 
 def _counts(tools: Sequence[str]) -> str:
@@ -172,14 +179,24 @@ def _counts(tools: Sequence[str]) -> str:
 
 
 def _fit(lines: list[str], budget: int, more: Any) -> list[str]:
-    """The first lines that fit ``budget``, plus a line summarising the rest."""
+    """The first lines that fit ``budget``, plus a line summarising the rest if it fits too.
+
+    Never more than ``budget`` characters (newlines counted): lines are dropped, never cut.
+    """
     kept: list[str] = []
     used = 0
-    for index, line in enumerate(lines):
-        rest = len(lines) - index
-        summary = more(rest) if rest else ""
-        if used + len(line) + 1 + (len(summary) + 1 if rest > 1 else 0) > budget:
-            return [*kept, more(rest)] if budget > 0 else []
+    for line in lines:
+        if used + len(line) + 1 > budget:
+            break
         kept.append(line)
         used += len(line) + 1
-    return kept
+    else:
+        return kept
+    # Make room for the summary of what was left out, dropping kept lines if needed.
+    while True:
+        summary = more(len(lines) - len(kept))
+        if used + len(summary) + 1 <= budget:
+            return [*kept, summary]
+        if not kept:
+            return []
+        used -= len(kept.pop()) + 1
