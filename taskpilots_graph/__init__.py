@@ -57,10 +57,12 @@ from taskpilots_graph.runner import (
     apending_takeovers,
     aresume,
     arewind,
+    arun,
     decide,
     pending_takeovers,
     resume,
     rewind,
+    run,
 )
 from taskpilots_graph.state import FlowState, RecoveryState, StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest
@@ -129,6 +131,7 @@ __all__ = [
     "apending_takeovers",
     "aresume",
     "arewind",
+    "arun",
     "build_resume_prompt",
     "check_retry_owner",
     "classify",
@@ -140,5 +143,6 @@ __all__ = [
     "resume",
     "resume_facts",
     "rewind",
+    "run",
     "side_effect",
 ]

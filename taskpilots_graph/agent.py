@@ -14,6 +14,7 @@ from langgraph.graph.state import CompiledStateGraph
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode, fail_run
@@ -77,6 +78,8 @@ def create_recovery_agent(
     prompt: str | None = None,
     name: str = "recovery_agent",
     rng: random.Random | None = None,
+    leases: LeaseBackend | None = None,
+    lease_ttl: float = 30.0,
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """Build a think → act loop that continues from the right place after any failure.
 
@@ -111,6 +114,13 @@ def create_recovery_agent(
         prompt: Optional system prompt.
         name: The graph's name.
         rng: Source of backoff jitter (tests pass a seeded one).
+        leases: A lease backend (:func:`~taskpilots_graph.locks.lease_backend_from_url`).
+            ``tp.run`` / ``tp.resume`` / ``tp.decide`` / ``tp.rewind`` then hold the
+            thread's lease (a second runner gets ``ThreadBusy``), every side effect first
+            checks it (``LeaseLost`` stops the run), and ``lock=`` tools run under their
+            business lock. Calling ``graph.invoke`` directly bypasses the thread lease.
+            Without a backend, ``lock=`` is recorded on the ledger but not enforced.
+        lease_ttl: TTL in seconds of those leases and locks (renewed every third of it).
 
     Raises:
         ConfigurationError: If the checkpointer is not a recovery checkpointer, tool names
@@ -122,7 +132,12 @@ def create_recovery_agent(
             f"AsyncRecoveryCheckpointer(...), got {type(checkpointer).__name__}"
         )
     act = RecoveryExecutor(
-        tools, checkpointer=checkpointer, policies=policies, default_policy=default_policy
+        tools,
+        checkpointer=checkpointer,
+        policies=policies,
+        default_policy=default_policy,
+        leases=leases,
+        lease_ttl=lease_ttl,
     )
     think = ThinkNode(
         model,

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from taskpilots_graph.errors import LockBackendUnavailable
 from taskpilots_graph.ledger import SideEffectUncertain
 
 __all__ = [
@@ -132,6 +133,8 @@ def _optional_types(module: str, names: Iterable[str]) -> tuple[type[BaseExcepti
 # Ordered: the first matching row wins, so subclasses come before their bases.
 _TYPE_TABLE: tuple[tuple[tuple[type[BaseException], ...], FailureKind], ...] = (
     ((SideEffectUncertain,), FailureKind.SIDE_EFFECT_UNCERTAIN),
+    # A business lock that cannot be taken: the effect did not run; wait, then escalate.
+    ((LockBackendUnavailable,), FailureKind.EXTERNAL_OUTAGE),
     (_optional_types("httpx", ["TimeoutException"]), FailureKind.TRANSIENT),
     (_optional_types("httpx", ["ConnectError"]), FailureKind.EXTERNAL_OUTAGE),
     (_optional_types("httpx", ["NetworkError", "RemoteProtocolError"]), FailureKind.TRANSIENT),

@@ -1,8 +1,18 @@
-"""Running threads after the fact, in any process: ``resume`` a thread by id, list the
-threads waiting on a person with ``pending_takeovers``, and answer them with ``decide``."""
+"""Running threads, in any process: ``run`` a thread, ``resume`` it by id, list the threads
+waiting on a person with ``pending_takeovers``, and answer them with ``decide``.
+
+For a graph built with a lease backend (``create_recovery_agent(leases=...)``) every runner
+here (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds the thread's
+lease (``thread:<thread_id>``) for the whole call: a second runner on the same thread gets
+:class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with ``wait=True``) instead of
+silently losing writes, and the executor checks the lease before every side effect. Without
+a lease backend they run unguarded, as ``graph.invoke`` does.
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +32,8 @@ from taskpilots_graph.errors import (
     ThreadNotFound,
 )
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.locks.base import thread_lease_name
+from taskpilots_graph.locks.hold import ahold, hold, reset_thread_hold, set_thread_hold
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
@@ -32,10 +44,12 @@ __all__ = [
     "apending_takeovers",
     "aresume",
     "arewind",
+    "arun",
     "decide",
     "pending_takeovers",
     "resume",
     "rewind",
+    "run",
 ]
 
 
@@ -66,6 +80,91 @@ def _mark_resumed(cfg: RunnableConfig, seq: int, snapshot: StateSnapshot) -> Non
     cfg["configurable"][RESUME_KEY] = {"seq": seq, "age": age}
 
 
+@contextmanager
+def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[None]:
+    """Hold the thread's lease for the block, if the graph has a lease backend."""
+    executor = _executor(graph)
+    backend = executor.leases if executor is not None else None
+    if executor is None or backend is None:
+        yield
+        return
+    name = thread_lease_name(thread_id)
+    with hold(backend, name, ttl=executor.lease_ttl, wait=wait) as held:
+        token = set_thread_hold(held)
+        try:
+            yield
+        finally:
+            reset_thread_hold(token)
+
+
+@asynccontextmanager
+async def _aleased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> AsyncIterator[None]:
+    """Async form of :func:`_leased`."""
+    executor = _executor(graph)
+    backend = executor.leases if executor is not None else None
+    if executor is None or backend is None:
+        yield
+        return
+    name = thread_lease_name(thread_id)
+    async with ahold(backend, name, ttl=executor.lease_ttl, wait=wait) as held:
+        token = set_thread_hold(held)
+        try:
+            yield
+        finally:
+            reset_thread_hold(token)
+
+
+def run(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    input: Any,
+    *,
+    config: RunnableConfig | None = None,
+    wait: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Invoke the graph on a thread while holding the thread's lease.
+
+    Example:
+        >>> tp.run(graph, "t-1", {"messages": [("user", goal)]})  # doctest: +SKIP
+
+    Args:
+        graph: The compiled graph; with a lease backend (``create_recovery_agent(leases=)``)
+            the call holds ``thread:<thread_id>``, without one it is ``graph.invoke``.
+        thread_id: The thread to run.
+        input: The graph's input (e.g. ``{"messages": [...]}``).
+        config: Extra run config (callbacks, recursion limit, ...).
+        wait: Wait for another runner of the thread to finish instead of failing at once.
+        **kwargs: Passed to ``graph.invoke`` (e.g. ``durability=``).
+
+    Returns:
+        What ``graph.invoke`` returns.
+
+    Raises:
+        ThreadBusy: Another process runs the thread (and ``wait`` is false); nothing ran.
+        LeaseLost: The lease was lost mid-run; the run stopped before its next side effect.
+        LockBackendUnavailable: The lease backend is unreachable; nothing ran.
+    """
+    cfg = _config(thread_id, config)
+    with _leased(graph, thread_id, wait):
+        return graph.invoke(input, cfg, **kwargs)
+
+
+async def arun(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    input: Any,
+    *,
+    config: RunnableConfig | None = None,
+    wait: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Async form of :func:`run`."""
+    cfg = _config(thread_id, config)
+    async with _aleased(graph, thread_id, wait):
+        return await graph.ainvoke(input, cfg, **kwargs)
+
+
 def _has_work(snapshot: StateSnapshot, thread_id: str) -> bool:
     if snapshot.interrupts:
         raise PendingTakeover(thread_id, [i.id for i in snapshot.interrupts])
@@ -79,6 +178,7 @@ def resume(
     thread_id: str,
     *,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Continue a thread from its latest checkpoint, in this or any other process.
@@ -90,6 +190,8 @@ def resume(
         graph: The compiled graph (with its checkpointer) that ran the thread.
         thread_id: The thread to continue.
         config: Extra run config (callbacks, recursion limit, ...).
+        wait: With a lease backend, wait for another runner of the thread instead of
+            raising ``ThreadBusy``.
         **kwargs: Passed to ``graph.invoke`` (e.g. ``durability=``).
 
     Returns:
@@ -98,18 +200,20 @@ def resume(
     Raises:
         ThreadNotFound: If the thread has no checkpoint.
         PendingTakeover: If the thread waits on a person (answer it with ``decide``).
+        ThreadBusy: Another process runs the thread (graphs with a lease backend).
     """
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if cp.get_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    snapshot = graph.get_state(cfg)
-    if not _has_work(snapshot, thread_id):
-        return snapshot.values
-    if isinstance(cp, RecoveryAPI):
-        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
-        _mark_resumed(cfg, event.seq, snapshot)
-    return graph.invoke(None, cfg, **kwargs)
+    with _leased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if cp.get_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        snapshot = graph.get_state(cfg)
+        if not _has_work(snapshot, thread_id):
+            return snapshot.values
+        if isinstance(cp, RecoveryAPI):
+            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
+            _mark_resumed(cfg, event.seq, snapshot)
+        return graph.invoke(None, cfg, **kwargs)
 
 
 async def aresume(
@@ -117,22 +221,24 @@ async def aresume(
     thread_id: str,
     *,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`resume`."""
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if await cp.aget_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    snapshot = await graph.aget_state(cfg)
-    if not _has_work(snapshot, thread_id):
-        return snapshot.values
-    if isinstance(cp, RecoveryAPI):
-        event = await cp.aappend_event(
-            thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
-        )
-        _mark_resumed(cfg, event.seq, snapshot)
-    return await graph.ainvoke(None, cfg, **kwargs)
+    async with _aleased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if await cp.aget_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        snapshot = await graph.aget_state(cfg)
+        if not _has_work(snapshot, thread_id):
+            return snapshot.values
+        if isinstance(cp, RecoveryAPI):
+            event = await cp.aappend_event(
+                thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
+            )
+            _mark_resumed(cfg, event.seq, snapshot)
+        return await graph.ainvoke(None, cfg, **kwargs)
 
 
 # -- people ------------------------------------------------------------------------------------
@@ -237,6 +343,7 @@ def decide(
     decision: Decision | dict[str, Any] | str,
     *,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Answer a thread's takeover and continue it.
@@ -256,15 +363,16 @@ def decide(
     """
     parsed = parse_decision(decision)
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if cp.get_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    snapshot = graph.get_state(cfg)
-    command = _answer(graph, snapshot, thread_id, parsed)
-    if isinstance(cp, RecoveryAPI):
-        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
-        _mark_resumed(cfg, event.seq, snapshot)
-    return graph.invoke(command, cfg, **kwargs)
+    with _leased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if cp.get_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        snapshot = graph.get_state(cfg)
+        command = _answer(graph, snapshot, thread_id, parsed)
+        if isinstance(cp, RecoveryAPI):
+            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
+            _mark_resumed(cfg, event.seq, snapshot)
+        return graph.invoke(command, cfg, **kwargs)
 
 
 async def adecide(
@@ -273,22 +381,24 @@ async def adecide(
     decision: Decision | dict[str, Any] | str,
     *,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`decide`."""
     parsed = parse_decision(decision)
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if await cp.aget_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    snapshot = await graph.aget_state(cfg)
-    command = _answer(graph, snapshot, thread_id, parsed)
-    if isinstance(cp, RecoveryAPI):
-        event = await cp.aappend_event(
-            thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
-        )
-        _mark_resumed(cfg, event.seq, snapshot)
-    return await graph.ainvoke(command, cfg, **kwargs)
+    async with _aleased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if await cp.aget_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        snapshot = await graph.aget_state(cfg)
+        command = _answer(graph, snapshot, thread_id, parsed)
+        if isinstance(cp, RecoveryAPI):
+            event = await cp.aappend_event(
+                thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
+            )
+            _mark_resumed(cfg, event.seq, snapshot)
+        return await graph.ainvoke(command, cfg, **kwargs)
 
 
 # -- rewind ------------------------------------------------------------------------------------
@@ -326,6 +436,7 @@ def rewind(
     *,
     to: str,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Go back to a business milestone (by name) or a checkpoint id, and continue from there.
@@ -341,21 +452,22 @@ def rewind(
         ConfigurationError: The target is neither a milestone nor a checkpoint of the thread.
     """
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if not isinstance(cp, RecoveryAPI):
-        raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
-    if cp.get_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    events = cp.events(thread_id)
-    checkpoint_id = _rewind_target(events, to)
-    fork = _fork(cfg, checkpoint_id)
-    target = cp.get_tuple(fork)
-    if target is None:
-        raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
-    since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
-    cp.forget_decisions(thread_id, since=since)
-    cp.append_event(thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id))
-    return graph.invoke(None, fork, **kwargs)
+    with _leased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if not isinstance(cp, RecoveryAPI):
+            raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
+        if cp.get_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        events = cp.events(thread_id)
+        checkpoint_id = _rewind_target(events, to)
+        fork = _fork(cfg, checkpoint_id)
+        target = cp.get_tuple(fork)
+        if target is None:
+            raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
+        since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
+        cp.forget_decisions(thread_id, since=since)
+        cp.append_event(thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id))
+        return graph.invoke(None, fork, **kwargs)
 
 
 async def arewind(
@@ -364,24 +476,26 @@ async def arewind(
     *,
     to: str,
     config: RunnableConfig | None = None,
+    wait: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`rewind`."""
     cfg = _config(thread_id, config)
-    cp = _saver(graph)
-    if not isinstance(cp, RecoveryAPI):
-        raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
-    if await cp.aget_tuple(cfg) is None:
-        raise ThreadNotFound(thread_id)
-    events = await cp.aevents(thread_id)
-    checkpoint_id = _rewind_target(events, to)
-    fork = _fork(cfg, checkpoint_id)
-    target = await cp.aget_tuple(fork)
-    if target is None:
-        raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
-    since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
-    await cp.aforget_decisions(thread_id, since=since)
-    await cp.aappend_event(
-        thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id)
-    )
-    return await graph.ainvoke(None, fork, **kwargs)
+    async with _aleased(graph, thread_id, wait):
+        cp = _saver(graph)
+        if not isinstance(cp, RecoveryAPI):
+            raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
+        if await cp.aget_tuple(cfg) is None:
+            raise ThreadNotFound(thread_id)
+        events = await cp.aevents(thread_id)
+        checkpoint_id = _rewind_target(events, to)
+        fork = _fork(cfg, checkpoint_id)
+        target = await cp.aget_tuple(fork)
+        if target is None:
+            raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
+        since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
+        await cp.aforget_decisions(thread_id, since=since)
+        await cp.aappend_event(
+            thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id)
+        )
+        return await graph.ainvoke(None, fork, **kwargs)

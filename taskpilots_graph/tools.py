@@ -28,6 +28,10 @@ class Invocation:
         thread_id: The thread running the call.
         tool_call_id: The model's id for the call, if it came from a model.
         tool: The tool's name.
+        fencing: The fencing token of the business lock held for this call (tools declared
+            with ``lock=`` on an agent with a lease backend), else ``None``. Pass it to a
+            service that can refuse writes from a superseded lock holder. It is also
+            recorded on the ledger entry as ``extra["fencing"]``.
     """
 
     key: str
@@ -35,6 +39,7 @@ class Invocation:
     thread_id: str
     tool_call_id: str | None
     tool: str
+    fencing: int | None = None
 
 
 _CURRENT: contextvars.ContextVar[Invocation | None] = contextvars.ContextVar(
@@ -152,7 +157,16 @@ def side_effect(
         compensate: ``compensate(key, args, result)`` undoes a committed effect.
         idempotent: The service deduplicates by the invocation key.
         key: ``key(args) -> str`` gives a business key shared across threads and agents.
-        lock: ``lock(args) -> str`` names the business object to lock.
+        lock: ``lock(args) -> str`` names the business object to lock, as
+            ``"<object_id>:<operation>"`` (split on the *last* ``:``, e.g.
+            ``"order-42:refund"``), or just ``"<object_id>"`` (the operation is then the
+            tool's name). With a lease backend (``create_recovery_agent(leases=...)``) the
+            tool runs only while holding that business lock; its fencing token goes on the
+            ledger entry (``extra["fencing"]``) and into ``current_invocation().fencing``.
+            An unreachable backend fails the call closed as an ``EXTERNAL_OUTAGE`` (it is
+            never run unlocked); a lock held elsewhere is waited for up to the lease TTL,
+            then the call fails as ``TRANSIENT`` and is retried per policy. Without a lease
+            backend the name is recorded on the ledger entry but not enforced.
 
     Raises:
         ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is

@@ -30,6 +30,7 @@ from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     RecoveryStore,
+    enable_wal,
     parse_conn_string,
     sqlite_path,
 )
@@ -135,6 +136,7 @@ class RecoveryCheckpointer(RecoveryAPI):
                 timeout=SQLITE_BUSY_TIMEOUT_S,
             )
             with closing(conn):
+                enable_wal(conn.execute)
                 yield cls(SqliteSaver(conn), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres import PostgresSaver

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from typing import Any, Self, TypeVar
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -17,6 +18,7 @@ from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     AsyncRecoveryStore,
+    enable_wal,
     parse_conn_string,
     sqlite_path,
 )
@@ -113,9 +115,12 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         elif target.backend == "sqlite":
             import aiosqlite
 
-            async with aiosqlite.connect(
-                sqlite_path(target.address), timeout=SQLITE_BUSY_TIMEOUT_S
-            ) as conn:
+            path = sqlite_path(target.address)
+            # WAL is a property of the file: switch it once, with retries, on a short-lived
+            # sync connection (see enable_wal) before the async saver opens it.
+            with closing(sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S)) as probe:
+                enable_wal(probe.execute)
+            async with aiosqlite.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S) as conn:
                 yield cls(AsyncSqliteSaver(conn), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver

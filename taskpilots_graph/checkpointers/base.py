@@ -11,6 +11,7 @@ Every recovery store is also an :class:`~taskpilots_graph.checkpointers.artifact
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "ConnTarget",
     "EventRecord",
     "RecoveryStore",
+    "enable_wal",
     "parse_conn_string",
     "prepare_event",
     "require_override",
@@ -46,6 +48,29 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 
 DEFAULT_POOL_SIZE = 8
 """Connections in the PostgreSQL pool that the saver and the recovery store share."""
+
+
+def enable_wal(execute: Callable[[str], Any]) -> None:
+    """Switch a SQLite file to WAL once, retrying while another process holds it.
+
+    LangGraph's SqliteSaver switches the journal mode inside its lazy ``setup()``; on a fresh
+    file opened by two processes at once that switch fails with SQLITE_BUSY at once (the busy
+    timeout does not cover it). Done here first, with retries, the saver's own switch is a
+    no-op.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = getattr(exc, "sqlite_errorcode", None) in (
+                sqlite3.SQLITE_BUSY,
+                sqlite3.SQLITE_LOCKED,
+            )
+            if not busy or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def sqlite_path(address: str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -41,7 +42,17 @@ from taskpilots_graph.locks.base import (
     poll_delay,
 )
 
-__all__ = ["AsyncHold", "Hold", "abusiness_lock", "ahold", "business_lock", "hold"]
+__all__ = [
+    "AsyncHold",
+    "Hold",
+    "abusiness_lock",
+    "ahold",
+    "business_lock",
+    "current_thread_hold",
+    "hold",
+    "reset_thread_hold",
+    "set_thread_hold",
+]
 
 _log: Final = logging.getLogger("taskpilots_graph.locks")
 
@@ -334,3 +345,29 @@ def abusiness_lock(
     return ahold(
         backend, name, ttl=ttl, wait=wait, timeout=timeout, owner=owner, heartbeat=heartbeat
     )
+
+
+# --- the thread lease of the current run ------------------------------------------------------
+
+_THREAD_HOLD: contextvars.ContextVar[Hold | AsyncHold | None] = contextvars.ContextVar(
+    "taskpilots_thread_hold", default=None
+)
+
+
+def current_thread_hold() -> Hold | AsyncHold | None:
+    """The thread lease the runner (``tp.run``, ``tp.resume``, ...) holds for this run, if any.
+
+    The executor calls its ``check()`` before every side effect, so a run whose lease was
+    lost stops with :class:`~taskpilots_graph.errors.LeaseLost` before its next effect.
+    """
+    return _THREAD_HOLD.get()
+
+
+def set_thread_hold(held: Hold | AsyncHold | None) -> contextvars.Token[Hold | AsyncHold | None]:
+    """Make ``held`` the current run's thread lease (runner use); reset with the token."""
+    return _THREAD_HOLD.set(held)
+
+
+def reset_thread_hold(token: contextvars.Token[Hold | AsyncHold | None]) -> None:
+    """Restore the thread lease that was current before :func:`set_thread_hold`."""
+    _THREAD_HOLD.reset(token)

@@ -49,6 +49,7 @@ __all__ = [
     "RunTool",
     "WriteEntry",
     "WriteEvent",
+    "lock_refused",
     "may_have_reached_service",
     "run_call",
 ]
@@ -383,6 +384,19 @@ def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol
         if settled is not None:
             return settled
     return CallOutcome(error=exc, failure=failure)
+
+
+def lock_refused(
+    ctx: CallContext, exc: BaseException, attempt: int
+) -> tuple[EventRecord, CallOutcome]:
+    """A side effect that did not run because its business lock could not be taken.
+
+    Nothing was sent (``maybe_sent`` is false) and the ledger entry is left as it was; the
+    failure is classified like any other (an unreachable backend is ``EXTERNAL_OUTAGE``, a
+    lock held elsewhere ``TRANSIENT``), so the router waits or escalates per policy.
+    """
+    failure = classify(exc, ctx.rules)
+    return _failed_event(ctx, failure, False, attempt), CallOutcome(error=exc, failure=failure)
 
 
 def _uncertain(ctx: CallContext, reason: str) -> SideEffectUncertain:

@@ -13,14 +13,27 @@ checkpoint LangGraph writes after this node is the recovery anchor.
 
 Durable writes: each side effect costs two (intent, commit), each carrying its events; the
 events of pure tools and of the step are deferred to the thread's next durable write.
+
+With a lease backend (``leases=``) two more guards apply to every side effect:
+
+* the thread lease the runner holds (:func:`~taskpilots_graph.locks.current_thread_hold`) is
+  checked before the intent is written and again just before the tool runs, so a run whose
+  lease was lost stops with :class:`~taskpilots_graph.errors.LeaseLost` first;
+* a tool declared with ``lock=`` takes its business lock before the intent is written and
+  keeps it until the call is settled; the fencing token is stamped on every ledger write of
+  the call (``extra["fencing"]``) and passed in ``current_invocation().fencing``. A lock that
+  cannot be taken fails the call closed (nothing written, nothing run); see
+  :func:`~taskpilots_graph.nodes._protocol.lock_refused`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
@@ -31,10 +44,19 @@ from langgraph.errors import GraphBubbleUp
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
-from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.errors import ConfigurationError, LockBackendUnavailable, ThreadBusy
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import classify, failure_payload
-from taskpilots_graph.ledger import SideEffectUncertain, Unknown, args_digest, default_key
+from taskpilots_graph.ledger import (
+    LedgerEntry,
+    LedgerStatus,
+    SideEffectUncertain,
+    Unknown,
+    args_digest,
+    default_key,
+)
+from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.hold import abusiness_lock, business_lock, current_thread_hold
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
@@ -44,13 +66,62 @@ from taskpilots_graph.nodes._protocol import (
     RunPrecheck,
     WriteEntry,
     WriteEvent,
+    lock_refused,
     run_call,
 )
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
-from taskpilots_graph.tools import SideEffectTool, reset_invocation, set_invocation, spec_of
+from taskpilots_graph.tools import (
+    Invocation,
+    SideEffectTool,
+    reset_invocation,
+    set_invocation,
+    spec_of,
+)
 
-__all__ = ["RecoveryExecutor", "error_message", "pending_calls", "tool_content"]
+__all__ = ["RecoveryExecutor", "error_message", "lock_target", "pending_calls", "tool_content"]
+
+
+def lock_target(name: str, tool: str) -> tuple[str, str]:
+    """The (business object, operation) a ``lock=`` name stands for.
+
+    ``"order-42:refund"`` splits on its *last* ``:`` into ``("order-42", "refund")`` (so
+    object ids may contain ``:``); a name without a ``:`` (or with nothing on one side of
+    it) is the object id as a whole, and the operation is the tool's name.
+    """
+    object_id, sep, operation = name.rpartition(":")
+    if sep and object_id and operation:
+        return object_id, operation
+    return name, tool
+
+
+@dataclass
+class _Guard:
+    """The lease checks and the business lock of one side-effecting call (driver state)."""
+
+    ctx: CallContext
+    lock_name: str | None
+    started: bool = False
+    lock_check: Callable[[], None] | None = None  # the held business lock's ``check``
+    fencing: int | None = None
+
+    def check_thread(self) -> None:
+        held = current_thread_hold()
+        if held is not None and held.name == thread_lease_name(self.ctx.thread_id):
+            held.check()
+
+    def check_all(self) -> None:
+        self.check_thread()
+        if self.lock_check is not None:
+            self.lock_check()
+
+    def stamp(self, entry: LedgerEntry) -> LedgerEntry:
+        if self.fencing is None or entry.extra.get("fencing") == self.fencing:
+            return entry
+        return replace(entry, extra={**entry.extra, "fencing": self.fencing})
+
+    def invocation(self, inv: Invocation) -> Invocation:
+        return inv if self.fencing is None else replace(inv, fencing=self.fencing)
 
 
 def pending_calls(messages: Sequence[BaseMessage]) -> tuple[AIMessage | None, list[ToolCall]]:
@@ -113,6 +184,12 @@ class RecoveryExecutor:
         checkpointer: The recovery checkpointer the graph is compiled with.
         policies: Recovery policies by tool name; others use ``default_policy``.
         default_policy: The policy of tools without one of their own.
+        leases: Lease backend for thread leases (held by ``tp.run`` / ``tp.resume`` / ...,
+            checked here before every side effect) and business locks (``lock=`` tools).
+            Without one, ``lock=`` names are recorded on the ledger but not enforced.
+        lease_ttl: TTL in seconds of the business locks taken here and of the thread
+            leases the runner takes for this graph; also the longest a call waits for a
+            business lock held elsewhere.
     """
 
     def __init__(
@@ -122,6 +199,8 @@ class RecoveryExecutor:
         checkpointer: RecoveryAPI,
         policies: Mapping[str, ToolPolicy] | None = None,
         default_policy: ToolPolicy | None = None,
+        leases: LeaseBackend | None = None,
+        lease_ttl: float = 30.0,
     ) -> None:
         if not isinstance(checkpointer, RecoveryAPI):
             raise ConfigurationError(
@@ -134,6 +213,10 @@ class RecoveryExecutor:
         self.checkpointer = checkpointer
         self.policies = validate_policies(policies, self.tools)
         self.default_policy = default_policy or ToolPolicy()
+        if not isinstance(lease_ttl, int | float) or not math.isfinite(lease_ttl) or lease_ttl <= 0:
+            raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
+        self.leases = leases
+        self.lease_ttl = float(lease_ttl)
 
     def policy(self, tool: str) -> ToolPolicy:
         """The policy that applies to ``tool``."""
@@ -333,36 +416,72 @@ class RecoveryExecutor:
         cp.defer_records(step.take_pending())
         return update
 
+    def _guard(self, item: _Call) -> _Guard:
+        spec = item.ctx.spec
+        lock_name: str | None = None
+        if self.leases is not None and spec is not None and spec.lock is not None:
+            lock_name = spec.lock(dict(item.ctx.args))
+        return _Guard(item.ctx, lock_name)
+
+    def _lock_args(self, guard: _Guard) -> tuple[LeaseBackend, str, str]:
+        assert self.leases is not None
+        assert guard.lock_name is not None
+        return (self.leases, *lock_target(guard.lock_name, guard.ctx.tool))
+
     def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
         gen = run_call(item.ctx)
+        guard = self._guard(item)
         value: Any = None
         thrown: Exception | None = None
-        while True:
-            try:
-                request = gen.throw(thrown) if thrown is not None else gen.send(value)
-            except StopIteration as stop:
-                outcome: CallOutcome = stop.value
-                return outcome
-            value, thrown = None, None
-            if isinstance(request, ReadEntry):
-                value = cp.ledger_entry(request.key)
-            elif isinstance(request, WriteEntry):
-                events = [*step.take_pending(), request.event]
-                value = cp.write_ledger(request.entry, expect=request.expect, events=events)
-            elif isinstance(request, WriteEvent):
-                step.pending.append(request.event)
-            elif isinstance(request, RunPrecheck):
-                value = _precheck(item.ctx, request)
-            else:
-                token = set_invocation(request.invocation)
+        with contextlib.ExitStack() as locks:
+            while True:
                 try:
-                    value = _target(item.tool).invoke(dict(item.ctx.args), config)
-                except Exception as exc:
-                    # Handed to the protocol, which lets LangGraph control flow through.
-                    thrown = exc
-                finally:
-                    reset_invocation(token)
+                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    outcome: CallOutcome = stop.value
+                    return outcome
+                value, thrown = None, None
+                if isinstance(request, ReadEntry):
+                    value = cp.ledger_entry(request.key)
+                elif isinstance(request, WriteEntry):
+                    entry = request.entry
+                    if entry.status is LedgerStatus.INTENDED and not guard.started:
+                        # About to execute: the last point where nothing has happened yet.
+                        guard.started = True
+                        guard.check_thread()
+                        if guard.lock_name is not None:
+                            try:
+                                held = locks.enter_context(
+                                    business_lock(
+                                        *self._lock_args(guard),
+                                        ttl=self.lease_ttl,
+                                        timeout=self.lease_ttl,
+                                    )
+                                )
+                            except (LockBackendUnavailable, ThreadBusy) as exc:
+                                gen.close()
+                                return _refused(step, item, exc, entry.attempt)
+                            guard.lock_check, guard.fencing = held.check, held.fencing
+                    events = [*step.take_pending(), request.event]
+                    value = cp.write_ledger(
+                        guard.stamp(entry), expect=request.expect, events=events
+                    )
+                elif isinstance(request, WriteEvent):
+                    step.pending.append(request.event)
+                elif isinstance(request, RunPrecheck):
+                    value = _precheck(item.ctx, request)
+                else:
+                    if item.ctx.spec is not None:
+                        guard.check_all()
+                    token = set_invocation(guard.invocation(request.invocation))
+                    try:
+                        value = _target(item.tool).invoke(dict(item.ctx.args), config)
+                    except Exception as exc:
+                        # Handed to the protocol, which lets LangGraph control flow through.
+                        thrown = exc
+                    finally:
+                        reset_invocation(token)
 
     # -- async driver ------------------------------------------------------------------------
 
@@ -399,32 +518,62 @@ class RecoveryExecutor:
     async def _adrive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
         gen = run_call(item.ctx)
+        guard = self._guard(item)
         value: Any = None
         thrown: Exception | None = None
-        while True:
-            try:
-                request = gen.throw(thrown) if thrown is not None else gen.send(value)
-            except StopIteration as stop:
-                outcome: CallOutcome = stop.value
-                return outcome
-            value, thrown = None, None
-            if isinstance(request, ReadEntry):
-                value = await cp.aledger_entry(request.key)
-            elif isinstance(request, WriteEntry):
-                events = [*step.take_pending(), request.event]
-                value = await cp.awrite_ledger(request.entry, expect=request.expect, events=events)
-            elif isinstance(request, WriteEvent):
-                step.pending.append(request.event)
-            elif isinstance(request, RunPrecheck):
-                value = await _aprecheck(item.ctx, request)
-            else:
-                token = set_invocation(request.invocation)
+        async with contextlib.AsyncExitStack() as locks:
+            while True:
                 try:
-                    value = await _target(item.tool).ainvoke(dict(item.ctx.args), config)
-                except Exception as exc:
-                    thrown = exc
-                finally:
-                    reset_invocation(token)
+                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    outcome: CallOutcome = stop.value
+                    return outcome
+                value, thrown = None, None
+                if isinstance(request, ReadEntry):
+                    value = await cp.aledger_entry(request.key)
+                elif isinstance(request, WriteEntry):
+                    entry = request.entry
+                    if entry.status is LedgerStatus.INTENDED and not guard.started:
+                        guard.started = True
+                        guard.check_thread()
+                        if guard.lock_name is not None:
+                            try:
+                                held = await locks.enter_async_context(
+                                    abusiness_lock(
+                                        *self._lock_args(guard),
+                                        ttl=self.lease_ttl,
+                                        timeout=self.lease_ttl,
+                                    )
+                                )
+                            except (LockBackendUnavailable, ThreadBusy) as exc:
+                                gen.close()
+                                return _refused(step, item, exc, entry.attempt)
+                            guard.lock_check, guard.fencing = held.check, held.fencing
+                    events = [*step.take_pending(), request.event]
+                    value = await cp.awrite_ledger(
+                        guard.stamp(entry), expect=request.expect, events=events
+                    )
+                elif isinstance(request, WriteEvent):
+                    step.pending.append(request.event)
+                elif isinstance(request, RunPrecheck):
+                    value = await _aprecheck(item.ctx, request)
+                else:
+                    if item.ctx.spec is not None:
+                        guard.check_all()
+                    token = set_invocation(guard.invocation(request.invocation))
+                    try:
+                        value = await _target(item.tool).ainvoke(dict(item.ctx.args), config)
+                    except Exception as exc:
+                        thrown = exc
+                    finally:
+                        reset_invocation(token)
+
+
+def _refused(step: _Step, item: _Call, exc: BaseException, attempt: int) -> CallOutcome:
+    """The business lock could not be taken: fail closed, nothing written, nothing run."""
+    event, outcome = lock_refused(item.ctx, exc, attempt)
+    step.pending.append(event)
+    return outcome
 
 
 def _uncertain(exc: SideEffectUncertain) -> CallOutcome:
