@@ -2,8 +2,9 @@
 
 The store uses the saver's connection pool (or its single connection, under the saver's own
 lock), so writing an event never opens a connection of its own. Every write commits before
-the call returns: an external action may follow it, so every write transaction sets
-``synchronous_commit`` back to ``on`` locally, whatever the server or role default says.
+the call returns: an external action may follow it, so each connection's session sets
+``synchronous_commit`` back to ``on`` before its first write, whatever the server or role
+default says.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
@@ -48,7 +50,12 @@ _D: Final = "postgres"
 _LEDGER = sql.LEDGER[_D]
 _ARTIFACTS = sql.ARTIFACTS[_D]
 _SETUP_TIMEOUT_S = 60.0
-_DURABLE = "SET LOCAL synchronous_commit = on"
+_DURABLE = "SET synchronous_commit = on"
+
+# Connections on which the session setting above has been made. Set once per connection (a
+# round trip saved on every write) rather than per transaction; the setting only ever
+# strengthens durability, also for the saver sharing the connection.
+_durable: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _pending(current: int) -> list[tuple[int, str]]:
@@ -147,8 +154,10 @@ class PostgresStore:
                 if not write:
                     yield cur
                     return
-                with conn.transaction():
+                if conn not in _durable:
                     cur.execute(_DURABLE)
+                    _durable.add(conn)
+                with conn.transaction():
                     yield cur
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc
@@ -301,8 +310,10 @@ class AsyncPostgresStore:
                 if not write:
                     yield cur
                     return
-                async with conn.transaction():
+                if conn not in _durable:
                     await cur.execute(_DURABLE)
+                    _durable.add(conn)
+                async with conn.transaction():
                     yield cur
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
-from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.errors import ConfigurationError, LedgerConflict
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
 from taskpilots_graph.ledger import (
@@ -223,10 +223,19 @@ def _failed_event(
     )
 
 
+_EXISTS = CallOutcome(error=LedgerConflict("the key already has a ledger entry"))
+"""Internal marker: the optimistic intent found an entry under the key."""
+
+
 def run_call(ctx: CallContext) -> Protocol:
     """The protocol for one call; see :mod:`taskpilots_graph.ledger` for the rules."""
     if ctx.spec is None:
         return (yield from _pure_call(ctx))
+    # Most calls are new: write the intent straight away; only when an entry already holds
+    # the key is it read and reconciled. Saves a read on every fresh side effect.
+    fresh = yield from _execute(ctx, None)
+    if fresh is not _EXISTS:
+        return fresh
     entry: LedgerEntry | None = yield ReadEntry(ctx.key)
     step = next_step(entry)
     if step is Step.RETURN_RECORDED:
@@ -340,7 +349,12 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         )
         expect = (entry.status, entry.attempt)
     invoked = _event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt)
-    yield WriteEntry(intended, expect, invoked)
+    try:
+        yield WriteEntry(intended, expect, invoked)
+    except LedgerConflict:
+        if expect is not None:
+            raise  # another run moved an entry we had read: stop, never execute twice
+        return _EXISTS
     inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
     try:
         result = yield RunTool(inv)

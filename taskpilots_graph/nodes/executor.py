@@ -44,7 +44,12 @@ from langgraph.errors import GraphBubbleUp
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
-from taskpilots_graph.errors import ConfigurationError, LockBackendUnavailable, ThreadBusy
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    LedgerConflict,
+    LockBackendUnavailable,
+    ThreadBusy,
+)
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.ledger import (
@@ -464,9 +469,13 @@ class RecoveryExecutor:
                                 return _refused(step, item, exc, entry.attempt)
                             guard.lock_check, guard.fencing = held.check, held.fencing
                     events = [*step.take_pending(), request.event]
-                    value = cp.write_ledger(
-                        guard.stamp(entry), expect=request.expect, events=events
-                    )
+                    try:
+                        value = cp.write_ledger(
+                            guard.stamp(entry), expect=request.expect, events=events
+                        )
+                    except LedgerConflict as exc:
+                        step.pending[:0] = events[:-1]  # nothing was written: keep them
+                        thrown = exc
                 elif isinstance(request, WriteEvent):
                     step.pending.append(request.event)
                 elif isinstance(request, RunPrecheck):
@@ -550,9 +559,13 @@ class RecoveryExecutor:
                                 return _refused(step, item, exc, entry.attempt)
                             guard.lock_check, guard.fencing = held.check, held.fencing
                     events = [*step.take_pending(), request.event]
-                    value = await cp.awrite_ledger(
-                        guard.stamp(entry), expect=request.expect, events=events
-                    )
+                    try:
+                        value = await cp.awrite_ledger(
+                            guard.stamp(entry), expect=request.expect, events=events
+                        )
+                    except LedgerConflict as exc:
+                        step.pending[:0] = events[:-1]
+                        thrown = exc
                 elif isinstance(request, WriteEvent):
                     step.pending.append(request.event)
                 elif isinstance(request, RunPrecheck):
