@@ -7,8 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
-from langchain_core.runnables import Runnable, RunnableLambda
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
+from langgraph._internal._runnable import RunnableCallable
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
@@ -61,7 +62,10 @@ def _after_act(state: dict[str, Any]) -> str:
 
 
 def _node(invoke: Any, ainvoke: Any, name: str) -> Runnable[Any, Any]:
-    return RunnableLambda(invoke, afunc=ainvoke, name=name)
+    # LangGraph's own node wrapper (what add_node builds for a plain function), given both
+    # faces: it inspects the signature once, where RunnableLambda does on every call.
+    node: Runnable[Any, Any] = RunnableCallable(invoke, ainvoke, name=name)
+    return node
 
 
 def create_recovery_agent(
