@@ -11,60 +11,20 @@ library's clock replaced (``testing.fake_clock``) so backoffs take no real time.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from _models import PlanModel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
-from pydantic import Field
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
 from taskpilots_graph.policy import Backoff, ToolPolicy
 
 FAST = Backoff(initial=1.0, multiplier=2.0, max_delay=8.0, jitter=False)
-
-
-class PlanModel(BaseChatModel):
-    """Calls the planned tools one after the other, then answers.
-
-    It moves past a planned call once any answer to it (result or error) is in the
-    conversation, so it decides from the messages, never from a counter.
-    """
-
-    plan: list[tuple[str, dict[str, Any]]]
-    asked: list[int] = Field(default_factory=list)
-
-    @property
-    def _llm_type(self) -> str:
-        return "plan-model"
-
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> PlanModel:  # type: ignore[override]
-        return self
-
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        self.asked.append(len(messages))
-        answered = sum(isinstance(m, ToolMessage) for m in messages)
-        if answered < len(self.plan):
-            name, args = self.plan[answered]
-            call = {"name": name, "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"}
-            message = AIMessage("", tool_calls=[call])
-        else:
-            message = AIMessage("done")
-        return ChatResult(generations=[ChatGeneration(message=message)])
 
 
 class Effects:

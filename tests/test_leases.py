@@ -17,17 +17,14 @@ import queue
 import threading
 import time
 import traceback
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _models import PlanModel
 from _services import RedisServer, start_redis
-from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
@@ -44,47 +41,6 @@ from taskpilots_graph.policy import Backoff, ToolPolicy
 ROUNDS = 20
 RUN_SECONDS = 0.15  # how long the racing side effect takes: the winner surely holds the lease
 PARK = ToolPolicy(backoff=Backoff(initial=60, jitter=False), wait_window=3600)  # → ToolWaiting
-
-
-class PlanModel(BaseChatModel):
-    """For the latest user message: call the planned tools one after the other, then answer.
-
-    It decides from the conversation (tool answers since that message), never from a counter.
-
-    A planned argument ``"$msg"`` stands for the text of that user message.
-    """
-
-    plan: list[tuple[str, dict[str, Any]]]
-
-    @property
-    def _llm_type(self) -> str:
-        return "plan-model"
-
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> PlanModel:  # type: ignore[override]
-        return self
-
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        last = max(
-            i
-            for i, m in enumerate(messages)
-            if isinstance(m, HumanMessage) and m.name != "taskpilots_resume"  # not a re-anchor
-        )
-        answered = sum(isinstance(m, ToolMessage) for m in messages[last:])
-        if answered < len(self.plan):
-            name, args = self.plan[answered]
-            text = str(messages[last].content)
-            filled = {k: text if v == "$msg" else v for k, v in args.items()}
-            call = {"name": name, "args": filled, "id": f"call_{uuid.uuid4().hex[:12]}"}
-            message = AIMessage("", tool_calls=[call])
-        else:
-            message = AIMessage("done")
-        return ChatResult(generations=[ChatGeneration(message=message)])
 
 
 def _go(text: str = "go") -> dict[str, Any]:

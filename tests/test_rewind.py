@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_drills import Effects, PlanModel, kinds, run
+from _models import PlanModel
+from test_drills import Effects, kinds, run
 
 import taskpilots_graph as tp
 

@@ -15,19 +15,14 @@ import getpass
 import multiprocessing
 import os
 import traceback
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
-from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatResult
+from _models import PlanModel
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool, StructuredTool
-from pydantic import Field
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
@@ -45,42 +40,6 @@ CHILD_TIMEOUT_S = 60.0
 
 
 # --- the scripted model and the simulated service ---------------------------------------------
-
-
-class PlanModel(BaseChatModel):
-    """Calls the planned tools one after the other, then answers ``done``.
-
-    It moves past a planned call once any answer to it (result, error, "skipped") is in the
-    conversation, so it decides from the messages, never from a counter. Every input it
-    receives is kept in ``inputs``.
-    """
-
-    plan: list[tuple[str, dict[str, Any]]]
-    inputs: list[list[BaseMessage]] = Field(default_factory=list)
-
-    @property
-    def _llm_type(self) -> str:
-        return "takeover-plan-model"
-
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> PlanModel:
-        return self
-
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        self.inputs.append(list(messages))
-        answered = sum(isinstance(m, ToolMessage) for m in messages)
-        if answered < len(self.plan):
-            name, args = self.plan[answered]
-            call = {"name": name, "args": args, "id": f"call_{uuid.uuid4().hex[:12]}"}
-            message = AIMessage("", tool_calls=[call])
-        else:
-            message = AIMessage("done")
-        return ChatResult(generations=[ChatGeneration(message=message)])
 
 
 @dataclass
