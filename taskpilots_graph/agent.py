@@ -27,11 +27,19 @@ from taskpilots_graph.state import RecoveryState
 __all__ = ["check_retry_owner", "create_recovery_agent"]
 
 
-def _recovery_node(runnable: Any) -> bool:
-    """Whether a graph node is one of ours (bound methods of our node classes)."""
+def node_owner(runnable: Any) -> Any:
+    """The object whose bound method a graph node runs (our node classes), or ``None``."""
     func = getattr(runnable, "func", None) or getattr(runnable, "afunc", None) or runnable
-    owner = getattr(func, "__self__", None)
-    return isinstance(owner, RecoveryExecutor | ThinkNode | RecoveryRouter)
+    return getattr(func, "__self__", None)
+
+
+def find_executor(graph: Any) -> RecoveryExecutor | None:
+    """The recovery executor of a graph (compiled or builder), if it has one."""
+    builder = getattr(graph, "builder", graph)
+    for spec in getattr(builder, "nodes", {}).values():
+        if isinstance(owner := node_owner(spec.runnable), RecoveryExecutor):
+            return owner
+    return None
 
 
 def check_retry_owner(
@@ -48,7 +56,8 @@ def check_retry_owner(
     """
     builder = getattr(graph, "builder", graph)
     for name, spec in getattr(builder, "nodes", {}).items():
-        if spec.retry_policy and _recovery_node(spec.runnable):
+        owner = node_owner(spec.runnable)
+        if spec.retry_policy and isinstance(owner, RecoveryExecutor | ThinkNode | RecoveryRouter):
             raise ConfigurationError(
                 f"node {name!r} runs a recovery node and also has a LangGraph retry_policy; "
                 "one layer owns retries: drop retry_policy and set tp.ToolPolicy(max_attempts=...) "

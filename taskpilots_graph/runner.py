@@ -23,6 +23,7 @@ from langgraph.types import Command, StateSnapshot
 from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph import _clock
+from taskpilots_graph.agent import find_executor
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -34,7 +35,6 @@ from taskpilots_graph.errors import (
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.locks.base import thread_lease_name
 from taskpilots_graph.locks.hold import ahold, hold, reset_thread_hold, set_thread_hold
-from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
@@ -83,7 +83,7 @@ def _mark_resumed(cfg: RunnableConfig, seq: int, snapshot: StateSnapshot) -> Non
 @contextmanager
 def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[None]:
     """Hold the thread's lease for the block, if the graph has a lease backend."""
-    executor = _executor(graph)
+    executor = find_executor(graph)
     backend = executor.leases if executor is not None else None
     if executor is None or backend is None:
         yield
@@ -100,7 +100,7 @@ def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[Non
 @asynccontextmanager
 async def _aleased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> AsyncIterator[None]:
     """Async form of :func:`_leased`."""
-    executor = _executor(graph)
+    executor = find_executor(graph)
     backend = executor.leases if executor is not None else None
     if executor is None or backend is None:
         yield
@@ -312,19 +312,9 @@ def _answer(
     return Command(resume={interrupt.id: decision.model_dump(mode="json")})
 
 
-def _executor(graph: Pregel[Any, Any]) -> RecoveryExecutor | None:
-    builder = getattr(graph, "builder", None)
-    for spec in getattr(builder, "nodes", {}).values():
-        func = getattr(spec.runnable, "func", None)
-        owner = getattr(func, "__self__", None)
-        if isinstance(owner, RecoveryExecutor):
-            return owner
-    return None
-
-
 def _check_args(graph: Pregel[Any, Any], tool_name: str, decision: Decision) -> None:
     """Validate edited arguments against the tool's schema before anything changes."""
-    executor = _executor(graph)
+    executor = find_executor(graph)
     tool = executor.tools.get(tool_name) if executor is not None else None
     schema = getattr(tool, "args_schema", None)
     if isinstance(schema, type) and issubclass(schema, BaseModel):
