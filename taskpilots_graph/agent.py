@@ -14,6 +14,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers.density import CheckpointDensity, Density
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.nodes.compensate import CompensateNode
@@ -23,6 +24,8 @@ from taskpilots_graph.nodes.takeover import TakeoverNode
 from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import ModelPolicy, ToolPolicy
 from taskpilots_graph.state import RecoveryState
+from taskpilots_graph.tools import spec_of
+from taskpilots_graph.window import MemoryWindow, ObservationPolicy
 
 __all__ = ["check_retry_owner", "create_recovery_agent"]
 
@@ -65,6 +68,21 @@ def check_retry_owner(
             )
 
 
+_DEFAULT_OBSERVATIONS = ObservationPolicy()
+_DEFAULT_WINDOW = MemoryWindow()
+
+
+def _side_effect_steps(
+    tools: Sequence[BaseTool], policies: Mapping[str, ToolPolicy]
+) -> frozenset[str]:
+    """Tools whose step may run a side effect: side-effecting ones and those falling back
+    to one."""
+    effects = {t.name for t in tools if spec_of(t) is not None}
+    return frozenset(
+        effects | {name for name, p in policies.items() if any(f in effects for f in p.fallback)}
+    )
+
+
 def _after_act(state: dict[str, Any]) -> str:
     _, calls = pending_calls(state["messages"])
     return "recover" if calls else "think"
@@ -93,6 +111,9 @@ def create_recovery_agent(
     rng: random.Random | None = None,
     leases: LeaseBackend | None = None,
     lease_ttl: float = 30.0,
+    observations: ObservationPolicy | None = _DEFAULT_OBSERVATIONS,
+    memory_window: MemoryWindow | None = _DEFAULT_WINDOW,
+    checkpoint_density: Density = "every_step",
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """Build a think → act loop that continues from the right place after any failure.
 
@@ -134,6 +155,15 @@ def create_recovery_agent(
             business lock. Calling ``graph.invoke`` directly bypasses the thread lease.
             Without a backend, ``lock=`` is recorded on the ledger but not enforced.
         lease_ttl: TTL in seconds of those leases and locks (renewed every third of it).
+        observations: Results above its threshold (4 KB by default) are stored as an
+            artifact (``cp.artifact(id)``) and the state, so the model, gets a summary and
+            the id. ``None`` keeps every result whole.
+        memory_window: The state keeps the last ``raw_turns`` model turns whole (3 by
+            default) and a line for each of a few before them; the event log keeps the
+            whole trail. ``None`` keeps every message (the state then grows with the run).
+        checkpoint_density: ``"every_step"``, ``"tool_boundary"`` or ``"milestones"``: which
+            checkpoints are stored (see :mod:`taskpilots_graph.checkpointers.density`).
+            No density repeats a side effect on resume.
 
     Raises:
         ConfigurationError: If the checkpointer is not a recovery checkpointer, tool names
@@ -144,6 +174,12 @@ def create_recovery_agent(
             "create_recovery_agent needs checkpointer=RecoveryCheckpointer(...) or "
             f"AsyncRecoveryCheckpointer(...), got {type(checkpointer).__name__}"
         )
+    density = CheckpointDensity(
+        checkpoint_density,
+        side_effect_tools=_side_effect_steps(tools, policies or {}),
+        milestones=dict(milestones or {}),
+    )
+    checkpointer = checkpointer.with_density(density)
     act = RecoveryExecutor(
         tools,
         checkpointer=checkpointer,
@@ -151,6 +187,9 @@ def create_recovery_agent(
         default_policy=default_policy,
         leases=leases,
         lease_ttl=lease_ttl,
+        observations=observations,
+        memory_window=memory_window,
+        record_all_decisions=checkpoint_density == "milestones",
     )
     think = ThinkNode(
         model,

@@ -13,10 +13,13 @@ small and a resumed run is anchored on facts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypedDict
 
 from langchain_core.messages import AnyMessage
 from langgraph.graph.message import add_messages
+
+from taskpilots_graph.window import MemoryState
 
 __all__ = [
     "FlowStage",
@@ -78,8 +81,8 @@ class FlowState(TypedDict, total=False):
         committed: Ledger keys of effects committed by this thread, in order.
         signatures: How often each failure signature occurred (stuck detection).
         reason: Why the run waits, escalated or failed.
-        budget_from: Index of the message from which the step budget counts (moved on by
-            a person's decision, so a decision buys a fresh budget).
+        turn_steps: Model decisions since the user's last message or a person's last
+            decision (the step budget of ``max_steps``; a decision buys a fresh one).
         resumed_seq: The ``run_resumed`` event whose resume context was given to the model.
         milestones: Business milestones reached, in order.
     """
@@ -90,18 +93,22 @@ class FlowState(TypedDict, total=False):
     committed: list[str]
     signatures: dict[str, int]
     reason: str | None
-    budget_from: int
+    turn_steps: int
     resumed_seq: int | None
     milestones: list[str]
 
 
 def merge_steps(
-    current: dict[str, StepRecord] | None, update: dict[str, StepRecord] | None
+    current: dict[str, StepRecord] | None, update: Mapping[str, StepRecord | None] | None
 ) -> dict[str, StepRecord]:
-    """Reducer of ``steps``: records are updated field by field, keyed by tool-call id."""
+    """Reducer of ``steps``: records are updated field by field, keyed by tool-call id; a
+    ``None`` record removes the step (it left the memory window)."""
     merged = dict(current or {})
     for call_id, record in (update or {}).items():
-        merged[call_id] = {**merged.get(call_id, {}), **record}
+        if record is None:
+            merged.pop(call_id, None)
+        else:
+            merged[call_id] = {**merged.get(call_id, {}), **record}
     return merged
 
 
@@ -122,8 +129,11 @@ class RecoveryState(TypedDict):
         messages: The conversation, merged with LangGraph's ``add_messages`` reducer.
         steps: The step layer, by tool-call id.
         flow: The flow layer.
+        memory: What remains of the turns that left the memory window
+            (:class:`~taskpilots_graph.window.MemoryWindow`).
     """
 
     messages: Annotated[list[AnyMessage], add_messages]
     steps: Annotated[dict[str, StepRecord], merge_steps]
     flow: Annotated[FlowState, merge_flow]
+    memory: MemoryState

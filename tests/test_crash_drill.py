@@ -43,6 +43,7 @@ from typing import Any
 import pytest
 
 import taskpilots_graph as tp
+from taskpilots_graph.checkpointers.density import Density
 from taskpilots_graph.demo import batch as batch_module
 from taskpilots_graph.demo.batch import SIDE_EFFECT_SERVICES, DrillReport, drill, make_batch
 from taskpilots_graph.demo.services import Phase, Services
@@ -386,6 +387,45 @@ def test_crash_drill_postgres(
         min_kills=PG_MIN_KILLS,
     )
     print(f"agent ledger: {facts}")
+
+
+# Sparser checkpoint densities: the same kill windows (before and after every side effect)
+# plus timed kills, on fewer tickets. More steps are replayed after each kill here (pure
+# steps under "tool_boundary", everything since the input or the last stop under
+# "milestones"), which is exactly what must not repeat an effect.
+DENSITY_TICKETS = 6
+DENSITY_TIMED = 2
+DENSITY_MIN_KILLS = 10
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("density", ["tool_boundary", "milestones"])
+def test_crash_drill_under_sparse_checkpoint_density(
+    tmp_path: Path, timed_kills_in_work: list[float], density: Density
+) -> None:
+    seed = drill_seed()
+    plan = make_plan(seed, before=SQLITE_BEFORE, extra=0, timed_kills=DENSITY_TIMED)
+    customers, tickets = make_batch(DENSITY_TICKETS, seed=seed)
+    report = drill(
+        "agent",
+        tmp_path,
+        tickets,
+        customers,
+        kill_points=plan.kill_points,
+        timed_kills=plan.timed_kills,
+        seed=seed,
+        density=density,
+    )
+    print(density, _summary(report, plan, timed_kills_in_work))
+    facts = check_agent_drill(
+        report,
+        plan,
+        workdir=tmp_path,
+        conn_string=f"sqlite:///{tmp_path / 'agent-runs.db'}",
+        tickets=tickets,
+        min_kills=DENSITY_MIN_KILLS,
+    )
+    print(f"{density} ledger: {facts}")
 
 
 def test_plan_covers_every_effect_window() -> None:

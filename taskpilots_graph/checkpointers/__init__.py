@@ -35,6 +35,7 @@ from taskpilots_graph.checkpointers.base import (
     sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import MemoryStore
+from taskpilots_graph.checkpointers.serde import compressed_serde
 from taskpilots_graph.checkpointers.sqlite import SqliteStore
 from taskpilots_graph.errors import ConfigurationError
 
@@ -137,14 +138,14 @@ class RecoveryCheckpointer(RecoveryAPI):
             )
             with closing(conn):
                 enable_wal(conn.execute)
-                yield cls(SqliteSaver(conn), artifacts=artifacts)
+                yield cls(SqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres import PostgresSaver
 
             from taskpilots_graph.checkpointers._pg_connect import open_pool
 
             with open_pool(target.address, pool_size) as pool:
-                yield cls(PostgresSaver(pool), artifacts=artifacts)
+                yield cls(PostgresSaver(pool, serde=compressed_serde()), artifacts=artifacts)
 
     def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""

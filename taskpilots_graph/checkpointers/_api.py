@@ -12,10 +12,13 @@ Artifacts go to the recovery store unless an :class:`ArtifactStore` was plugged 
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from datetime import timedelta
+from typing import Any, Self, cast
 
+from taskpilots_graph.checkpointers import retention
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
 from taskpilots_graph.checkpointers.artifacts import (
     ARTIFACTS_TABLE,
@@ -26,6 +29,8 @@ from taskpilots_graph.checkpointers.artifacts import (
     verify_artifact,
 )
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers.density import CheckpointDensity, HeldCheckpoints
+from taskpilots_graph.checkpointers.retention import Keep, PruneReport
 from taskpilots_graph.compression import (
     DEFAULT_KEY_FIELDS,
     DEFAULT_PROTECTED_KINDS,
@@ -34,8 +39,20 @@ from taskpilots_graph.compression import (
 from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
 from taskpilots_graph.events import Event, EventKind, mark_superseded
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.locks.base import LeaseBackend
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
+
+
+def _keep(keep: Keep, strategy: str | None) -> Keep:
+    if strategy is None:
+        return keep
+    if strategy == "keep_latest":
+        return "latest"
+    raise ConfigurationError(
+        f"strategy {strategy!r} is not supported; use keep='latest' or keep='milestones' "
+        "(delete_thread removes a whole thread)"
+    )
 
 
 def checked_artifact_store(artifacts: object) -> ArtifactStore | None:
@@ -61,6 +78,21 @@ class RecoveryAPI(DelegatingSaver):
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def with_density(self, density: CheckpointDensity) -> Self:
+        """A view of this checkpointer that stores checkpoints as ``density`` says.
+
+        The view shares the saver, the recovery store and the events waiting for their
+        write; only LangGraph's checkpoint writes go through the density. The agent builds
+        it from ``create_recovery_agent(checkpoint_density=...)``.
+        """
+        if density.kind == "every_step":
+            return self
+        self._deferred()  # created now, so that the view shares them
+        self._deferred_lock()
+        view = copy.copy(self)
+        view.held = HeldCheckpoints(density)
+        return view
 
     async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -390,6 +422,55 @@ class RecoveryAPI(DelegatingSaver):
         check_artifact_id(artifact_id)
         data = await self._artifacts_acall("get_artifact", artifact_id)
         return self._checked(artifact_id, data)
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def prune(  # type: ignore[override]  # LangGraph's returns None; ours says what it did
+        self,
+        thread_ids: Sequence[str],
+        *,
+        keep: Keep = "latest",
+        leases: LeaseBackend | None = None,
+        strategy: str | None = None,
+    ) -> PruneReport:
+        """Delete the threads' checkpoints older than the latest, keeping every recovery fact.
+
+        With ``keep="milestones"`` the checkpoints where a business milestone was reached
+        (``rewind`` targets) stay too. Events, ledger entries and artifacts are never
+        pruned. A thread with a pending takeover, an uncertain ledger entry or a held lease
+        (when ``leases`` is given) is refused, and the report says why. LangGraph's
+        ``strategy="keep_latest"`` is accepted as ``keep="latest"``.
+
+        Raises:
+            ThreadNotFound: For an unknown thread id (nothing is pruned then).
+            ConfigurationError: For an unknown ``keep`` or ``strategy``.
+        """
+        return retention.prune(self, thread_ids, keep=_keep(keep, strategy), leases=leases)
+
+    async def aprune(  # type: ignore[override]
+        self,
+        thread_ids: Sequence[str],
+        *,
+        keep: Keep = "latest",
+        leases: LeaseBackend | None = None,
+        strategy: str | None = None,
+    ) -> PruneReport:
+        """Async form of :meth:`prune`."""
+        return await retention.aprune(self, thread_ids, keep=_keep(keep, strategy), leases=leases)
+
+    def sweep(
+        self, *, older_than: float | timedelta, leases: LeaseBackend | None = None
+    ) -> PruneReport:
+        """Delete whole threads idle for longer than ``older_than`` (seconds or a
+        ``timedelta``), never one with a pending takeover, an uncertain ledger entry or a
+        held lease. See :func:`taskpilots_graph.checkpointers.retention.sweep`."""
+        return retention.sweep(self, older_than=older_than, leases=leases)
+
+    async def asweep(
+        self, *, older_than: float | timedelta, leases: LeaseBackend | None = None
+    ) -> PruneReport:
+        """Async form of :meth:`sweep`."""
+        return await retention.asweep(self, older_than=older_than, leases=leases)
 
     # -- whole threads -----------------------------------------------------------------------
 

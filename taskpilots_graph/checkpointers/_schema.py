@@ -20,6 +20,7 @@ __all__ = [
     "LEDGER_FIELDS",
     "MIGRATIONS",
     "MIGRATIONS_TABLE",
+    "PRUNE_CHECKPOINTS",
     "SCHEMA_VERSION",
     "SELECT_EVENTS",
     "SELECT_VERSION",
@@ -339,4 +340,57 @@ def _artifact_sql(dialect: Dialect) -> dict[str, str]:
 
 ARTIFACTS: Final[dict[Dialect, dict[str, str]]] = {
     d: _artifact_sql(d) for d in ("sqlite", "postgres")
+}
+
+
+# Retention: delete a thread's checkpoints older than the latest of their namespace, except
+# those kept (milestones), then the writes and (PostgreSQL) blobs no kept checkpoint needs.
+# The latest is chosen inside the statement, so a checkpoint written meanwhile is never
+# deleted. Parameters: (thread_id, kept ids) for the first statement, (thread_id,) after.
+PRUNE_CHECKPOINTS: Final[dict[Dialect, tuple[str, ...]]] = {
+    "sqlite": (
+        """
+        DELETE FROM checkpoints
+        WHERE thread_id = ?
+          AND checkpoint_id NOT IN (SELECT value FROM json_each(?))
+          AND checkpoint_id < (
+            SELECT max(c.checkpoint_id) FROM checkpoints c
+            WHERE c.thread_id = checkpoints.thread_id
+              AND c.checkpoint_ns = checkpoints.checkpoint_ns)
+        """,
+        """
+        DELETE FROM writes
+        WHERE thread_id = ?
+          AND NOT EXISTS (
+            SELECT 1 FROM checkpoints c
+            WHERE c.thread_id = writes.thread_id AND c.checkpoint_ns = writes.checkpoint_ns
+              AND c.checkpoint_id = writes.checkpoint_id)
+        """,
+    ),
+    "postgres": (
+        """
+        DELETE FROM checkpoints d
+        WHERE d.thread_id = %s
+          AND d.checkpoint_id <> ALL(%s)
+          AND d.checkpoint_id < (
+            SELECT max(c.checkpoint_id) FROM checkpoints c
+            WHERE c.thread_id = d.thread_id AND c.checkpoint_ns = d.checkpoint_ns)
+        """,
+        """
+        DELETE FROM checkpoint_writes w
+        WHERE w.thread_id = %s
+          AND NOT EXISTS (
+            SELECT 1 FROM checkpoints c
+            WHERE c.thread_id = w.thread_id AND c.checkpoint_ns = w.checkpoint_ns
+              AND c.checkpoint_id = w.checkpoint_id)
+        """,
+        """
+        DELETE FROM checkpoint_blobs b
+        WHERE b.thread_id = %s
+          AND NOT EXISTS (
+            SELECT 1 FROM checkpoints c
+            WHERE c.thread_id = b.thread_id AND c.checkpoint_ns = b.checkpoint_ns
+              AND c.checkpoint -> 'channel_versions' ->> b.channel = b.version)
+        """,
+    ),
 }

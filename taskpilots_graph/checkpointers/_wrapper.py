@@ -23,6 +23,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from taskpilots_graph.checkpointers.base import require_override
+from taskpilots_graph.checkpointers.density import HeldCheckpoints, run_async, run_sync
 
 __all__ = ["DelegatingSaver"]
 
@@ -36,6 +37,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
     """
 
     inner: BaseCheckpointSaver[Any]
+    held: HeldCheckpoints | None = None
+    """Checkpoints not stored under the graph's density (``None``: every one is stored)."""
 
     def __init__(self, inner: BaseCheckpointSaver[Any]) -> None:
         # BaseCheckpointSaver.__init__ is deliberately not called: it would set a serde of
@@ -74,6 +77,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         return self.inner.get(config)
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        if self.held is not None:
+            run_sync(self.inner, self.held.release(config))
         return self.inner.get_tuple(config)
 
     def list(
@@ -84,6 +89,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
+        if self.held is not None:
+            run_sync(self.inner, self.held.release(config))
         return self.inner.list(config, filter=filter, before=before, limit=limit)
 
     def put(
@@ -93,7 +100,10 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        return self.inner.put(config, checkpoint, metadata, new_versions)
+        if self.held is None:
+            return self.inner.put(config, checkpoint, metadata, new_versions)
+        args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
+        return next_config if args is None else self.inner.put(*args)
 
     def put_writes(
         self,
@@ -102,7 +112,10 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        self.inner.put_writes(config, writes, task_id, task_path)
+        if self.held is None:
+            self.inner.put_writes(config, writes, task_id, task_path)
+        else:
+            run_sync(self.inner, self.held.put_writes(config, writes, task_id, task_path))
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         require_override(self.inner, "delete_for_runs")
@@ -127,6 +140,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         return await self.inner.aget(config)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        if self.held is not None:
+            await run_async(self.inner, self.held.release(config))
         return await self.inner.aget_tuple(config)
 
     async def alist(
@@ -137,6 +152,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
+        if self.held is not None:
+            await run_async(self.inner, self.held.release(config))
         async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
             yield item
 
@@ -147,7 +164,10 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        return await self.inner.aput(config, checkpoint, metadata, new_versions)
+        if self.held is None:
+            return await self.inner.aput(config, checkpoint, metadata, new_versions)
+        args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
+        return next_config if args is None else await self.inner.aput(*args)
 
     async def aput_writes(
         self,
@@ -156,7 +176,10 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        await self.inner.aput_writes(config, writes, task_id, task_path)
+        if self.held is None:
+            await self.inner.aput_writes(config, writes, task_id, task_path)
+        else:
+            await run_async(self.inner, self.held.put_writes(config, writes, task_id, task_path))
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         require_override(self.inner, "adelete_for_runs")

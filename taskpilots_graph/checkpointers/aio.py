@@ -23,6 +23,7 @@ from taskpilots_graph.checkpointers.base import (
     sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
+from taskpilots_graph.checkpointers.serde import compressed_serde
 from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
 from taskpilots_graph.errors import ConfigurationError
 
@@ -121,14 +122,14 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
             with closing(sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S)) as probe:
                 enable_wal(probe.execute)
             async with aiosqlite.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S) as conn:
-                yield cls(AsyncSqliteSaver(conn), artifacts=artifacts)
+                yield cls(AsyncSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
             from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
             from taskpilots_graph.checkpointers._pg_connect import open_async_pool
 
             async with open_async_pool(target.address, pool_size) as pool:
-                yield cls(AsyncPostgresSaver(pool), artifacts=artifacts)
+                yield cls(AsyncPostgresSaver(pool, serde=compressed_serde()), artifacts=artifacts)
 
     async def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""

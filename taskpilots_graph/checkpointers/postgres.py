@@ -213,6 +213,14 @@ class PostgresStore:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
+    def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
+        first, *rest = sql.PRUNE_CHECKPOINTS[_D]
+        with self._transaction() as cur:
+            removed = cur.execute(first, (thread_id, list(keep))).rowcount
+            for statement in rest:
+                cur.execute(statement, (thread_id,))
+        return int(removed)
+
     def ledger_get(self, key: str) -> LedgerEntry | None:
         with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
@@ -362,6 +370,15 @@ class AsyncPostgresStore:
         async with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 await cur.execute(statement, (thread_id,))
+
+    async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
+        first, *rest = sql.PRUNE_CHECKPOINTS[_D]
+        async with self._transaction() as cur:
+            await cur.execute(first, (thread_id, list(keep)))
+            removed = cur.rowcount
+            for statement in rest:
+                await cur.execute(statement, (thread_id,))
+        return int(removed)
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
         async with self._transaction(write=False) as cur:

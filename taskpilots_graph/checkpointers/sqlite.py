@@ -9,6 +9,7 @@ Tables are created lazily on first use, as ``SqliteSaver`` does, and migrated in
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -154,6 +155,14 @@ class SqliteStore:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
+    def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
+        first, *rest = sql.PRUNE_CHECKPOINTS[_D]
+        with self._cursor() as cur:
+            removed = cur.execute(first, (thread_id, json.dumps(list(keep)))).rowcount
+            for statement in rest:
+                cur.execute(statement, (thread_id,))
+        return int(removed)
+
     def ledger_get(self, key: str) -> LedgerEntry | None:
         with self._cursor() as cur:
             row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
@@ -286,6 +295,15 @@ class AsyncSqliteStore:
         async with self._transaction() as conn:
             for statement in sql.DELETE_THREAD[_D]:
                 await conn.execute(statement, (thread_id,))
+
+    async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
+        first, *rest = sql.PRUNE_CHECKPOINTS[_D]
+        async with self._transaction() as conn:
+            cur = await conn.execute(first, (thread_id, json.dumps(list(keep))))
+            removed = cur.rowcount
+            for statement in rest:
+                await conn.execute(statement, (thread_id,))
+        return int(removed)
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
         async with self._transaction() as conn, conn.execute(_LEDGER["get"], {"key": key}) as cur:

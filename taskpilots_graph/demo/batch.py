@@ -21,6 +21,7 @@ from typing import Any, Literal
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig
 
+from taskpilots_graph.checkpointers.density import Density
 from taskpilots_graph.demo.model import ScriptedTicketModel
 from taskpilots_graph.demo.services import Phase, Services
 from taskpilots_graph.demo.workflow import build_plain_graph, build_recovery_agent
@@ -87,7 +88,12 @@ def _ready() -> None:
 
 
 def run_batch(
-    mode: Mode, conn_string: str, services_path: str, tickets: list[dict[str, Any]]
+    mode: Mode,
+    conn_string: str,
+    services_path: str,
+    tickets: list[dict[str, Any]],
+    *,
+    density: Density = "every_step",
 ) -> None:
     """Process every ticket once: start its thread, or resume it if it exists."""
     import taskpilots_graph as tp
@@ -98,7 +104,7 @@ def run_batch(
         with tp.RecoveryCheckpointer.from_conn_string(conn_string) as cp:
             cp.setup()
             _ready()
-            graph = build_recovery_agent(model, services, cp)
+            graph = build_recovery_agent(model, services, cp, checkpoint_density=density)
             for ticket in tickets:
                 cfg: RunnableConfig = {"configurable": {"thread_id": thread_id(ticket)}}
                 try:
@@ -196,6 +202,7 @@ def drill(
     conn_string: str | None = None,
     seed: int = 0,
     max_runs: int = 200,
+    density: Density = "every_step",
 ) -> DrillReport:
     """Run the batch in child processes under SIGKILLs until every ticket is settled.
 
@@ -210,6 +217,7 @@ def drill(
         conn_string: Storage of the runs (default: a SQLite file in ``workdir``).
         seed: Seed of the random kill moments.
         max_runs: Upper bound on worker restarts (a drill never loops forever).
+        density: The agent's checkpoint density.
     """
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -229,6 +237,7 @@ def drill(
         conn,
         services_path,
         str(batch_file),
+        density,
     ]
     started = time.perf_counter()
     kills = runs = 0

@@ -9,18 +9,27 @@ new id, which is exactly what makes naive re-execution create duplicate side eff
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 
 __all__ = ["MAX_TOOL_ERRORS", "ScriptedTicketModel", "next_action"]
+
+_EARLIER = re.compile(r"^- (\w+)\(.*\) -> (ok|failed): (.*)$", re.MULTILINE)
 
 MAX_TOOL_ERRORS = 3
 """After this many failed calls of one step, the model gives up on the ticket."""
@@ -54,7 +63,14 @@ def next_action(messages: Sequence[BaseMessage]) -> AIMessage:
     results: dict[str, Any] = {}
     errors: dict[str, int] = {}
     for m in messages:
-        if isinstance(m, ToolMessage) and m.name:
+        if isinstance(m, SystemMessage):
+            # Steps that left the agent's memory window are listed in the system prompt.
+            for tool, status, result in _EARLIER.findall(str(m.content)):
+                if status == "failed":
+                    errors[tool] = errors.get(tool, 0) + 1
+                else:
+                    results[tool] = result
+        elif isinstance(m, ToolMessage) and m.name:
             if m.status == "error":
                 errors[m.name] = errors.get(m.name, 0) + 1
             else:

@@ -1,4 +1,5 @@
-"""The drills' worker: ``python -m taskpilots_graph.demo.worker MODE DB SERVICES BATCH``."""
+"""The drills' worker: ``python -m taskpilots_graph.demo.worker MODE DB SERVICES BATCH
+[DENSITY]``."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from taskpilots_graph.demo.batch import run_batch
 
 def main(argv: list[str]) -> int:
     """Process the batch file once (start or resume every ticket's thread)."""
-    mode, conn_string, services_path, batch_file = argv
+    mode, conn_string, services_path, batch_file, *rest = argv
+    density = rest[0] if rest else "every_step"
     if mode not in ("agent", "plain"):
         print(f"unknown mode {mode!r}; use 'agent' or 'plain'", file=sys.stderr)
         return 2
-    run_batch(mode, conn_string, services_path, json.loads(Path(batch_file).read_text()))  # type: ignore[arg-type]
+    tickets = json.loads(Path(batch_file).read_text())
+    run_batch(mode, conn_string, services_path, tickets, density=density)  # type: ignore[arg-type]
     return 0
 
 

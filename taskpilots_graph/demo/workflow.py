@@ -14,6 +14,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from taskpilots_graph.agent import create_recovery_agent
 from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers.density import Density
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome
@@ -94,11 +95,19 @@ def recovery_tools(services: Services) -> list[BaseTool]:
 
 
 def build_recovery_agent(
-    model: BaseChatModel, services: Services, checkpointer: RecoveryAPI
+    model: BaseChatModel,
+    services: Services,
+    checkpointer: RecoveryAPI,
+    *,
+    checkpoint_density: Density = "every_step",
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """The workflow on :func:`~taskpilots_graph.create_recovery_agent`."""
     return create_recovery_agent(
-        model, recovery_tools(services), checkpointer=checkpointer, prompt=PROMPT
+        model,
+        recovery_tools(services),
+        checkpointer=checkpointer,
+        prompt=PROMPT,
+        checkpoint_density=checkpoint_density,
     )
 
 

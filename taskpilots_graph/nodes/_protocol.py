@@ -56,6 +56,9 @@ __all__ = [
 
 SUMMARY_CHARS = 2048
 """Raw responses and errors are truncated to this many characters in events."""
+RESULT_CHARS = 512
+"""Bound on a successful result in its event: a summary of what came back. The ledger keeps
+a side effect's whole result, and the checkpoint writes the one the model saw."""
 
 
 def _library_version() -> str:
@@ -162,8 +165,8 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _truncate(text: str) -> str:
-    return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS] + "…"
+def _truncate(text: str, limit: int = SUMMARY_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def recordable(result: Any) -> tuple[Any, bool]:
@@ -264,7 +267,9 @@ def _pure_call(ctx: CallContext) -> Protocol:
         failure = classify(exc, ctx.rules)
         yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), 1))
         return CallOutcome(error=exc, failure=failure)
-    yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, result=_truncate(str(result))))
+    yield WriteEvent(
+        _event(ctx, EventKind.TOOL_SUCCEEDED, result=_truncate(str(result), RESULT_CHARS))
+    )
     return CallOutcome(result=result)
 
 
@@ -378,7 +383,7 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         extra={**intended.extra, "result_reduced": reduced} if reduced else intended.extra,
     )
     succeeded = _event(
-        ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, result=_truncate(str(result))
+        ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, result=_truncate(str(result), RESULT_CHARS)
     )
     yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
     return CallOutcome(result=result)

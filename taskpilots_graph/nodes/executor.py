@@ -44,6 +44,7 @@ from langgraph.errors import GraphBubbleUp
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.compression import CompressedObservation, Observation, compress_observation
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
@@ -83,6 +84,7 @@ from taskpilots_graph.tools import (
     set_invocation,
     spec_of,
 )
+from taskpilots_graph.window import MemoryWindow, ObservationPolicy, plan_trim
 
 __all__ = ["RecoveryExecutor", "error_message", "lock_target", "pending_calls", "tool_content"]
 
@@ -195,6 +197,15 @@ class RecoveryExecutor:
         lease_ttl: TTL in seconds of the business locks taken here and of the thread
             leases the runner takes for this graph; also the longest a call waits for a
             business lock held elsewhere.
+        observations: How results enter the state: large ones become an artifact plus a
+            summary (``None``: always whole).
+        memory_window: How many model turns the state keeps whole; older ones leave the
+            state (the event log keeps them) and remain as one line each in ``memory``.
+            ``None`` keeps everything.
+        record_all_decisions: Record every model decision before acting on it, not only
+            those that drive side effects while the checkpoint may not be durable. Needed
+            when checkpoints are skipped (the ``milestones`` density): a replayed step then
+            repeats the same decision.
     """
 
     def __init__(
@@ -206,6 +217,9 @@ class RecoveryExecutor:
         default_policy: ToolPolicy | None = None,
         leases: LeaseBackend | None = None,
         lease_ttl: float = 30.0,
+        observations: ObservationPolicy | None = None,
+        memory_window: MemoryWindow | None = None,
+        record_all_decisions: bool = False,
     ) -> None:
         if not isinstance(checkpointer, RecoveryAPI):
             raise ConfigurationError(
@@ -222,6 +236,15 @@ class RecoveryExecutor:
             raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
         self.leases = leases
         self.lease_ttl = float(lease_ttl)
+        for name, value, kind in (
+            ("observations", observations, ObservationPolicy),
+            ("memory_window", memory_window, MemoryWindow),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise ConfigurationError(f"{name} must be a {kind.__name__} or None")
+        self.observations = observations
+        self.memory_window = memory_window
+        self.record_all_decisions = bool(record_all_decisions)
 
     def policy(self, tool: str) -> ToolPolicy:
         """The policy that applies to ``tool``."""
@@ -291,14 +314,20 @@ class RecoveryExecutor:
         # this node runs. Otherwise it may not be, and a crash would make the model decide
         # again with new tool-call ids (new keys): record the decision so that the think node
         # replays it instead.
-        return (
-            step.first_time
-            and step.ctx.durability != "sync"
-            and any(c.ctx.spec is not None for c in step.calls)
-        )
+        if not step.first_time:
+            return False
+        if self.record_all_decisions:
+            return True
+        return step.ctx.durability != "sync" and any(c.ctx.spec is not None for c in step.calls)
 
-    def _settle(self, item: _Call, outcome: CallOutcome) -> tuple[StepRecord, ToolMessage | None]:
-        """The step record after one execution, and the answer to the model if settled."""
+    def _settle(
+        self, item: _Call, outcome: CallOutcome, artifacts: list[CompressedObservation]
+    ) -> tuple[StepRecord, ToolMessage | None]:
+        """The step record after one execution, and the answer to the model if settled.
+
+        A large result is appended to ``artifacts`` for the driver to store before the
+        update (which refers to it) can reach a checkpoint.
+        """
         record = item.record
         call = item.call
         base: StepRecord = {
@@ -316,10 +345,13 @@ class RecoveryExecutor:
             base.update({"status": "closed", "failure": None, "result": "unknown tool"})
             return base, error_message(call, f"Error: unknown tool {item.ctx.tool!r}")
         if outcome.failure is None:
-            content = tool_content(outcome.result)
+            content, observation = self._observe(outcome.result, artifacts)
             base.update({"status": "closed", "failure": None, "result": content[:200]})
             return base, ToolMessage(
-                content=content, tool_call_id=call["id"] or "", name=call["name"]
+                content=content,
+                tool_call_id=call["id"] or "",
+                name=call["name"],
+                artifact=observation,
             )
         base.update(
             {
@@ -330,13 +362,42 @@ class RecoveryExecutor:
         )
         return base, None
 
-    def _finish(self, step: _Step, outcomes: list[tuple[_Call, CallOutcome]]) -> dict[str, Any]:
-        messages: list[ToolMessage] = []
-        records: dict[str, StepRecord] = {}
+    def _observe(
+        self, result: Any, artifacts: list[CompressedObservation]
+    ) -> tuple[str, Observation | None]:
+        policy = self.observations
+        if policy is None:
+            return tool_content(result), None
+        done = compress_observation(
+            result,
+            threshold_bytes=policy.threshold_bytes,
+            summarizer=policy.summarizer,
+            max_chars=policy.summary_chars,
+        )
+        observation = done.observation
+        if not done.needs_artifact:
+            return tool_content(result), None
+        artifacts.append(done)
+        content = (
+            f"{observation['summary']}\n[full result stored as artifact "
+            f"{observation['artifact_id']}: {observation['size']} bytes, "
+            f"{observation['media_type']}]"
+        )
+        return content, observation
+
+    def _finish(
+        self,
+        state: Mapping[str, Any],
+        step: _Step,
+        outcomes: list[tuple[_Call, CallOutcome]],
+        artifacts: list[CompressedObservation],
+    ) -> dict[str, Any]:
+        messages: list[BaseMessage] = []
+        records: dict[str, StepRecord | None] = {}
         committed: list[str] = []
         signatures: list[str] = []
         for item, outcome in outcomes:
-            record, message = self._settle(item, outcome)
+            record, message = self._settle(item, outcome, artifacts)
             records[record["tool_call_id"]] = record
             if message is not None:
                 messages.append(message)
@@ -355,6 +416,7 @@ class RecoveryExecutor:
                         f"{item.ctx.tool}|{outcome.failure.kind}|{outcome.failure.error_type}|"
                         f"{args_digest(item.ctx.args)[:16]}"
                     )
+        closed = [r for r in records.values() if r is not None]
         step.pending.append(
             self._event(
                 step.ctx,
@@ -371,11 +433,22 @@ class RecoveryExecutor:
                             :200
                         ],
                     }
-                    for (_, o), r in zip(outcomes, records.values(), strict=True)
+                    for (_, o), r in zip(outcomes, closed, strict=True)
                 ],
             )
         )
         update: dict[str, Any] = {"messages": messages, "steps": records}
+        if self.memory_window is not None and messages:
+            trim = plan_trim(
+                [*state["messages"], *messages],
+                state.get("steps") or {},
+                state.get("memory"),
+                self.memory_window,
+            )
+            if trim is not None:
+                messages += trim.messages
+                records.update(dict.fromkeys(trim.steps))
+                update["memory"] = trim.memory
         if committed or signatures:
             flow: dict[str, Any] = {}
             if committed:
@@ -413,7 +486,14 @@ class RecoveryExecutor:
                 except SideEffectUncertain as exc:
                     outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
-            update = self._finish(step, outcomes)
+            artifacts: list[CompressedObservation] = []
+            update = self._finish(state, step, outcomes, artifacts)
+            for done in artifacts:
+                cp.put_artifact(
+                    step.ctx.thread_id,
+                    done.payload or b"",
+                    media_type=done.observation["media_type"],
+                )
         except BaseException:
             cp.append_records(step.take_pending(), flush=step.ctx.thread_id)
             raise
@@ -517,7 +597,14 @@ class RecoveryExecutor:
                 except SideEffectUncertain as exc:
                     outcome = _uncertain(exc)
                 outcomes.append((item, outcome))
-            update = self._finish(step, outcomes)
+            artifacts: list[CompressedObservation] = []
+            update = self._finish(state, step, outcomes, artifacts)
+            for done in artifacts:
+                await cp.aput_artifact(
+                    step.ctx.thread_id,
+                    done.payload or b"",
+                    media_type=done.observation["media_type"],
+                )
         except BaseException:
             await cp.aappend_records(step.take_pending(), flush=step.ctx.thread_id)
             raise

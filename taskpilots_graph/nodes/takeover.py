@@ -279,7 +279,7 @@ def _command(
         "takeover": False,
         "reason": None,
         "signatures": {},
-        "budget_from": len(state["messages"]),
+        "turn_steps": 0,
     }
     ids = [r.get("tool_call_id") or "" for r in chosen]
     action = decision.action

@@ -28,7 +28,6 @@ from langchain_core.messages import (
     AIMessage,
     BaseMessage,
     HumanMessage,
-    SystemMessage,
     ToolMessage,
 )
 from langchain_core.runnables import Runnable, RunnableConfig
@@ -49,6 +48,7 @@ from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
 from taskpilots_graph.prompts.templates import Language
+from taskpilots_graph.window import model_input
 
 __all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "close_dangling"]
 
@@ -118,14 +118,12 @@ def _bind(model: Model, tools: Sequence[BaseTool]) -> Runnable[LanguageModelInpu
     return bound
 
 
-def _decisions_this_turn(messages: Sequence[BaseMessage], since: int) -> int:
-    count = 0
-    for index in range(len(messages) - 1, max(since, 0) - 1, -1):
-        message = messages[index]
-        if isinstance(message, HumanMessage):
-            break
-        count += isinstance(message, AIMessage)
-    return count
+def _decisions_this_turn(messages: Sequence[BaseMessage], flow: Mapping[str, Any]) -> int:
+    # Counted in the flow layer, not from the messages: those before the memory window are
+    # gone from the state. A user's new message starts a new turn.
+    if messages and isinstance(messages[-1], HumanMessage):
+        return 0
+    return int(flow.get("turn_steps", 0))
 
 
 class ThinkNode:
@@ -165,8 +163,10 @@ class ThinkNode:
         self.resume = resume_context or ResumeContext()
         self.milestones = dict(milestones or {})
 
-    def _input(self, messages: Sequence[BaseMessage]) -> list[BaseMessage]:
-        return [SystemMessage(self.prompt), *messages] if self.prompt else list(messages)
+    def _input(
+        self, state: Mapping[str, Any], messages: Sequence[BaseMessage]
+    ) -> list[BaseMessage]:
+        return model_input(self.prompt, state.get("memory"), messages)
 
     @staticmethod
     def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
@@ -195,7 +195,7 @@ class ThinkNode:
 
     def _start(
         self, state: Mapping[str, Any], ctx: RunContext
-    ) -> tuple[list[EventRecord], Command[str] | None]:
+    ) -> tuple[list[EventRecord], Command[str] | None, int]:
         messages = state["messages"]
         events = []
         if messages and isinstance(messages[-1], HumanMessage):
@@ -204,14 +204,14 @@ class ThinkNode:
                     ctx, EventKind.AGENT_STARTED, goal=str(messages[-1].content)[:SUMMARY_CHARS]
                 )
             )
-        since = int((state.get("flow") or {}).get("budget_from", 0))
-        if _decisions_this_turn(messages, since) >= self.max_steps:
+        used = _decisions_this_turn(messages, state.get("flow") or {})
+        if used >= self.max_steps:
             reason = f"stuck: {self.max_steps} model decisions in this turn without an answer"
             events.append(self._event(ctx, EventKind.STUCK_DETECTED, reason=reason))
             events.append(self._event(ctx, EventKind.TAKEOVER_REQUESTED, reason=reason))
             flow = {"stage": "awaiting_human", "takeover": True, "reason": reason}
-            return events, Command(goto="takeover", update={"flow": flow})
-        return events, None
+            return events, Command(goto="takeover", update={"flow": flow}), used
+        return events, None, used
 
     @staticmethod
     def _may_replay(ctx: RunContext, marker: Mapping[str, Any] | None) -> bool:
@@ -315,7 +315,7 @@ class ThinkNode:
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action synchronously."""
         ctx = run_context(config)
-        events, stuck = self._start(state, ctx)
+        events, stuck, used = self._start(state, ctx)
         if stuck is not None:
             self.checkpointer.append_records(events)
             return stuck
@@ -330,7 +330,7 @@ class ThinkNode:
                 ledger = self.checkpointer.ledger(ctx.thread_id)
                 extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
                 if self.resume.acknowledge:
-                    ack = self._call(ctx, [*messages, *extra], config, events)
+                    ack = self._call(ctx, state, [*messages, *extra], config, events)
                     extra += self._acknowledged(ctx, ack, events)
             recorded = (
                 self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, messages_digest(messages))
@@ -340,8 +340,10 @@ class ThinkNode:
             if recorded is not None:
                 ai = load_message(recorded)
             else:
-                ai = self._call(ctx, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+                ai = self._call(ctx, state, [*messages, *extra], config, events)
+            flow: dict[str, Any] = {"turn_steps": used + 1}
+            if marker:
+                flow["resumed_seq"] = marker.get("seq")
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
@@ -351,6 +353,7 @@ class ThinkNode:
     def _call(
         self,
         ctx: RunContext,
+        state: Mapping[str, Any],
         messages: Sequence[BaseMessage],
         config: RunnableConfig,
         events: list[EventRecord],
@@ -359,7 +362,7 @@ class ThinkNode:
         for index, model in enumerate(self.models):
             for attempt in range(1, self.policy.max_attempts + 1):
                 try:
-                    return model.invoke(self._input(messages), config)
+                    return model.invoke(self._input(state, messages), config)
                 except GraphBubbleUp:
                     raise
                 except Exception as exc:
@@ -374,7 +377,7 @@ class ThinkNode:
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action asynchronously."""
         ctx = run_context(config)
-        events, stuck = self._start(state, ctx)
+        events, stuck, used = self._start(state, ctx)
         if stuck is not None:
             await self.checkpointer.aappend_records(events)
             return stuck
@@ -389,7 +392,7 @@ class ThinkNode:
                 ledger = await self.checkpointer.aledger(ctx.thread_id)
                 extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
                 if self.resume.acknowledge:
-                    ack = await self._acall(ctx, [*messages, *extra], config, events)
+                    ack = await self._acall(ctx, state, [*messages, *extra], config, events)
                     extra += self._acknowledged(ctx, ack, events)
             recorded = (
                 await self.checkpointer.adecision(
@@ -401,8 +404,10 @@ class ThinkNode:
             if recorded is not None:
                 ai = load_message(recorded)
             else:
-                ai = await self._acall(ctx, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+                ai = await self._acall(ctx, state, [*messages, *extra], config, events)
+            flow: dict[str, Any] = {"turn_steps": used + 1}
+            if marker:
+                flow["resumed_seq"] = marker.get("seq")
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
@@ -412,6 +417,7 @@ class ThinkNode:
     async def _acall(
         self,
         ctx: RunContext,
+        state: Mapping[str, Any],
         messages: Sequence[BaseMessage],
         config: RunnableConfig,
         events: list[EventRecord],
@@ -420,7 +426,7 @@ class ThinkNode:
         for index, model in enumerate(self.models):
             for attempt in range(1, self.policy.max_attempts + 1):
                 try:
-                    return await model.ainvoke(self._input(messages), config)
+                    return await model.ainvoke(self._input(state, messages), config)
                 except GraphBubbleUp:
                     raise
                 except Exception as exc:
