@@ -6,6 +6,7 @@ The public API is re-exported here; everything else is an implementation detail.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from taskpilots_graph.agent import check_retry_owner, create_recovery_agent
 from taskpilots_graph.checkpointers import (
@@ -15,6 +16,8 @@ from taskpilots_graph.checkpointers import (
     FileArtifactStore,
     RecoveryCheckpointer,
 )
+from taskpilots_graph.checkpointers.density import CheckpointDensity
+from taskpilots_graph.checkpointers.retention import PruneReport
 from taskpilots_graph.errors import (
     ArtifactNotFound,
     ConfigurationError,
@@ -44,6 +47,7 @@ from taskpilots_graph.ledger import (
     SideEffectUncertain,
     Unknown,
 )
+from taskpilots_graph.metrics import RecoveryMetrics, arecovery_metrics, recovery_metrics
 from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode
@@ -52,6 +56,7 @@ from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
 from taskpilots_graph.prompts import ResumeFacts, build_resume_prompt, resume_facts
 from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
+from taskpilots_graph.replay import Replay, ReplayStep, areplay, replay
 from taskpilots_graph.runner import (
     adecide,
     apending_takeovers,
@@ -66,7 +71,30 @@ from taskpilots_graph.runner import (
 )
 from taskpilots_graph.state import FlowState, RecoveryState, StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest
+from taskpilots_graph.threads import (
+    ThreadInfo,
+    alist_threads,
+    athread_info,
+    list_threads,
+    thread_info,
+)
 from taskpilots_graph.tools import Invocation, SideEffectTool, current_invocation, side_effect
+from taskpilots_graph.window import MemoryWindow, ObservationPolicy
+
+if TYPE_CHECKING:
+    from taskpilots_graph.middleware import RecoveryMiddleware, check_middleware
+
+# The middleware needs the optional ``langchain`` package: it is imported on first use.
+_LAZY = frozenset({"RecoveryMiddleware", "check_middleware"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from taskpilots_graph import middleware
+
+        return getattr(middleware, name)
+    raise AttributeError(f"module 'taskpilots_graph' has no attribute {name!r}")
+
 
 try:
     __version__ = version("taskpilots-graph")
@@ -80,6 +108,7 @@ __all__ = [
     "ArtifactStore",
     "AsyncRecoveryCheckpointer",
     "Backoff",
+    "CheckpointDensity",
     "CompensateNode",
     "ConfigurationError",
     "CorruptRecordError",
@@ -98,16 +127,23 @@ __all__ = [
     "LedgerEntry",
     "LedgerStatus",
     "LockBackendUnavailable",
+    "MemoryWindow",
     "MigrationError",
     "ModelPolicy",
     "NoPendingTakeover",
     "NotDone",
+    "ObservationPolicy",
     "PendingTakeover",
+    "PruneReport",
     "RecoveryCheckpointer",
     "RecoveryDecision",
     "RecoveryExecutor",
+    "RecoveryMetrics",
+    "RecoveryMiddleware",
     "RecoveryRouter",
     "RecoveryState",
+    "Replay",
+    "ReplayStep",
     "ResumeContext",
     "ResumeFacts",
     "SideEffectSpec",
@@ -120,6 +156,7 @@ __all__ = [
     "TaskPilotsError",
     "ThinkNode",
     "ThreadBusy",
+    "ThreadInfo",
     "ThreadNotFound",
     "ToolPolicy",
     "ToolWaiting",
@@ -128,21 +165,30 @@ __all__ = [
     "WaitNode",
     "__version__",
     "adecide",
+    "alist_threads",
     "apending_takeovers",
+    "arecovery_metrics",
+    "areplay",
     "aresume",
     "arewind",
     "arun",
+    "athread_info",
     "build_resume_prompt",
+    "check_middleware",
     "check_retry_owner",
     "classify",
     "create_recovery_agent",
     "current_invocation",
     "decide",
     "decide_recovery",
+    "list_threads",
     "pending_takeovers",
+    "recovery_metrics",
+    "replay",
     "resume",
     "resume_facts",
     "rewind",
     "run",
     "side_effect",
+    "thread_info",
 ]

@@ -1,0 +1,435 @@
+"""``RecoveryMiddleware``: the sync and async drivers of the flow in :mod:`._flow`."""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from langchain.agents.middleware import AgentMiddleware
+from langchain.agents.middleware.types import ExtendedModelResponse, ModelRequest, ModelResponse
+from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.config import get_config
+from langgraph.errors import GraphBubbleUp
+from langgraph.prebuilt.tool_node import ToolCallRequest
+from langgraph.types import Command, interrupt
+
+from taskpilots_graph import _clock
+from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.errors import ConfigurationError, LedgerConflict
+from taskpilots_graph.events import EventKind
+from taskpilots_graph.ledger import LedgerEntry
+from taskpilots_graph.middleware._compensate import acompensate, compensate
+from taskpilots_graph.middleware._flow import Flow, tool_flow
+from taskpilots_graph.middleware._owner import check_middleware, middleware_chain
+from taskpilots_graph.middleware._requests import (
+    Ask,
+    CallTool,
+    CheckEffect,
+    Compensate,
+    ErrorAnswer,
+    Flush,
+    ReadLedger,
+    RecordDecision,
+    Settings,
+    Sleep,
+)
+from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
+from taskpilots_graph.nodes._protocol import SUMMARY_CHARS, ReadEntry, WriteEntry, WriteEvent
+from taskpilots_graph.nodes.executor import _aprecheck, _precheck
+from taskpilots_graph.policy import ToolPolicy
+from taskpilots_graph.tools import reset_invocation, set_invocation
+
+__all__ = ["RecoveryMiddleware"]
+
+ToolHandler = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
+AsyncToolHandler = Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]]
+_RECORDED_MAX = 4096
+_SCRATCHPAD = "__pregel_scratchpad"  # LangGraph's per-task state, holding resume values
+
+
+def _answer_waiting(config: RunnableConfig) -> bool:
+    """Whether this task runs again with a person's answer to one of its interrupts."""
+    pad = (config.get("configurable") or {}).get(_SCRATCHPAD)
+    if pad is None:
+        return False
+    return bool(getattr(pad, "resume", None)) or pad.get_null_resume(False) is not None
+
+
+def _first_ai(response: Any) -> AIMessage | None:
+    if isinstance(response, ExtendedModelResponse):
+        response = response.model_response
+    if isinstance(response, AIMessage):
+        return response
+    for message in getattr(response, "result", ()):
+        if isinstance(message, AIMessage):
+            return message
+    return None
+
+
+class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
+    """Duplicate-free recovery for a langchain ``create_agent`` agent, in one middleware.
+
+    Every tool call goes through the side-effect ledger and the tool policies, as in
+    :func:`~taskpilots_graph.create_recovery_agent` (see the package docstring for what
+    happens and how it composes with langchain's own middleware)::
+
+        with tp.RecoveryCheckpointer.from_conn_string("sqlite:///runs.db") as cp:
+            agent = create_agent(model, tools, checkpointer=cp,
+                                 middleware=[tp.RecoveryMiddleware(cp)])
+            agent.invoke({"messages": [("user", goal)]}, {"configurable": {"thread_id": "t-1"}})
+
+    Args:
+        checkpointer: The :class:`~taskpilots_graph.RecoveryCheckpointer` (or async one) the
+            agent is created with; ledger and events live in its database.
+        policies: Recovery policies by tool name; others use ``default_policy``.
+        default_policy: The policy of tools without one (default ``ToolPolicy()``).
+        rng: Source of backoff jitter (tests pass a seeded one).
+
+    Raises:
+        ConfigurationError: For a checkpointer that is not a recovery checkpointer or a
+            policy that is not a ``ToolPolicy``; at the first call of a tool, for a second
+            retry owner (:func:`~taskpilots_graph.middleware.check_middleware`).
+    """
+
+    def __init__(
+        self,
+        checkpointer: RecoveryAPI,
+        *,
+        policies: Mapping[str, ToolPolicy] | None = None,
+        default_policy: ToolPolicy | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(checkpointer, RecoveryAPI):
+            raise ConfigurationError(
+                "RecoveryMiddleware needs the RecoveryCheckpointer or "
+                f"AsyncRecoveryCheckpointer the agent runs with, got {type(checkpointer).__name__}"
+            )
+        for name, policy in (policies or {}).items():
+            if not isinstance(policy, ToolPolicy):
+                raise ConfigurationError(f"policies[{name!r}] must be a tp.ToolPolicy(...)")
+        if default_policy is not None and not isinstance(default_policy, ToolPolicy):
+            raise ConfigurationError("default_policy must be a tp.ToolPolicy(...)")
+        self.checkpointer = checkpointer
+        self.policies: dict[str, ToolPolicy] = dict(policies or {})
+        self.default_policy = default_policy or ToolPolicy()
+        self._settings = Settings(self.policies, self.default_policy, rng or random.Random())
+        self._checked: set[tuple[bool, str]] = set()
+        self._recorded: set[tuple[str, str]] = set()
+
+    @property
+    def tools(self) -> list[BaseTool]:  # type: ignore[override]
+        """No tools of its own; reading it from ``create_agent`` checks the retry owner.
+
+        ``create_agent`` reads every middleware's ``tools`` once, while it builds the agent:
+        the only moment the whole middleware list is at hand. An outer
+        ``ToolRetryMiddleware`` would swallow an error raised later, at the first call
+        (it retries every exception and hands the last one to the model as a message).
+        """
+        frame = inspect.currentframe()
+        for _ in range(4):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            if frame.f_code.co_name == "create_agent" and "middleware" in frame.f_locals:
+                middleware = frame.f_locals["middleware"]
+                tools = frame.f_locals.get("tools") or ()
+                check_middleware(list(middleware), [t for t in tools if isinstance(t, BaseTool)])
+                break
+        del frame  # frames hold their locals alive
+        return []
+
+    def policy(self, tool: str | None) -> ToolPolicy:
+        """The policy that applies to ``tool`` (``None``: the default policy)."""
+        return self.policies.get(tool, self.default_policy) if tool else self.default_policy
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _check_owner(self, request: ToolCallRequest, handler: Any, *, is_async: bool) -> None:
+        name = request.tool_call["name"]
+        if (is_async, name) in self._checked:
+            return
+        chain = middleware_chain(handler, is_async=is_async)
+        if chain is not None:
+            tools = [t for t in getattr(request.runtime, "tools", None) or () if t.name == name]
+            check_middleware(chain, tools or [name])
+        self._checked.add((is_async, name))
+
+    def _flow(self, request: ToolCallRequest) -> tuple[Flow, RunContext]:
+        config = request.runtime.config
+        ctx = run_context(config)
+        task_ns = str((config.get("configurable") or {}).get("checkpoint_ns") or "")
+        flow = tool_flow(
+            self._settings, request, ctx, task_ns=task_ns, answered=_answer_waiting(config)
+        )
+        return flow, ctx
+
+    def _write(self, request: WriteEntry, pending: list[EventRecord]) -> Any:
+        events = [*pending, request.event]
+        pending.clear()
+        try:
+            return self.checkpointer.write_ledger(
+                request.entry, expect=request.expect, events=events
+            )
+        except LedgerConflict:
+            pending[:0] = events[:-1]  # nothing was written: keep them
+            raise
+
+    async def _awrite(self, request: WriteEntry, pending: list[EventRecord]) -> Any:
+        events = [*pending, request.event]
+        pending.clear()
+        try:
+            return await self.checkpointer.awrite_ledger(
+                request.entry, expect=request.expect, events=events
+            )
+        except LedgerConflict:
+            pending[:0] = events[:-1]
+            raise
+
+    def _ledger_view(self, entries: list[LedgerEntry], extra: LedgerEntry | None) -> Any:
+        if extra is not None and all(e.key != extra.key for e in entries):
+            entries.append(extra)  # a business key first recorded by another thread
+        return entries
+
+    def _first_record(self, req: RecordDecision) -> bool:
+        # Parallel calls of one model message each ask to record it; the store keeps the
+        # first anyway, this saves the repeated writes. Bounded: a long-lived worker runs
+        # many threads.
+        mark = (req.thread_id, req.digest)
+        if mark in self._recorded:
+            return False
+        if len(self._recorded) >= _RECORDED_MAX:
+            self._recorded.clear()
+        self._recorded.add(mark)
+        return True
+
+    def _model_context(self) -> RunContext | None:
+        try:
+            return run_context(get_config())
+        except (RuntimeError, ConfigurationError):
+            return None  # outside a run, or a run without a thread: nothing to record
+
+    def _decided(self, ctx: RunContext, ai: AIMessage | None, *, replayed: bool) -> None:
+        if ai is None or not ai.tool_calls:
+            return
+        event = prepare_event(
+            ctx.thread_id,
+            EventKind.LLM_DECIDED,
+            {
+                "tool_calls": [
+                    {"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls
+                ],
+                "content": str(ai.content)[:SUMMARY_CHARS],
+                "replayed": replayed,
+            },
+            checkpoint_id=None,
+            checkpoint_ns=ctx.graph_ns,
+        )
+        self.checkpointer.defer_records([event])
+
+    # -- sync driver ---------------------------------------------------------------------------
+
+    def wrap_tool_call(self, request: ToolCallRequest, handler: ToolHandler) -> Any:
+        """Run one tool call through the ledger, the tool policy and takeover."""
+        self._check_owner(request, handler, is_async=False)
+        flow, ctx = self._flow(request)
+        pending: list[EventRecord] = []
+        value: Any = None
+        thrown: BaseException | None = None
+        try:
+            while True:
+                try:
+                    req = flow.throw(thrown) if thrown is not None else flow.send(value)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                value, thrown = None, None
+                try:
+                    value = self._do(req, handler, pending)
+                except Exception as exc:  # handed to the flow, which lets control flow through
+                    thrown = exc
+        except BaseException:
+            self.checkpointer.append_records(pending, flush=ctx.thread_id)
+            raise
+        # Pure-tool events ride along with the thread's next durable write (the next model
+        # call flushes them at the latest).
+        self.checkpointer.defer_records(pending)
+        return result
+
+    def _do(self, req: Any, handler: ToolHandler, pending: list[EventRecord]) -> Any:
+        cp = self.checkpointer
+        if isinstance(req, CallTool):
+            token = set_invocation(req.invocation)
+            try:
+                answer = handler(req.request)
+            finally:
+                reset_invocation(token)
+            if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
+                raise ErrorAnswer(answer)
+            return answer
+        if isinstance(req, ReadEntry):
+            return cp.ledger_entry(req.key)
+        if isinstance(req, WriteEntry):
+            return self._write(req, pending)
+        if isinstance(req, WriteEvent):
+            pending.append(req.event)
+            return None
+        if isinstance(req, CheckEffect):
+            return _precheck(req.ctx, req.request)
+        if isinstance(req, Sleep):
+            _clock.sleep(req.seconds)
+            return None
+        if isinstance(req, Ask):
+            try:
+                return interrupt(req.payload)
+            except GraphBubbleUp:
+                pending.append(req.event)  # the run pauses: the request is on record
+                raise
+        if isinstance(req, ReadLedger):
+            extra = cp.ledger_entry(req.key) if req.key else None
+            return self._ledger_view(cp.ledger(req.thread_id), extra)
+        if isinstance(req, RecordDecision):
+            if self._first_record(req):
+                cp.record_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
+            return None
+        if isinstance(req, Compensate):
+            compensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
+            return None
+        if isinstance(req, Flush):
+            if pending:
+                cp.append_records(list(pending))
+                pending.clear()
+            return None
+        raise AssertionError(f"unknown request {req!r}")  # pragma: no cover
+
+    def wrap_model_call(
+        self, request: ModelRequest[Any], handler: Callable[[ModelRequest[Any]], Any]
+    ) -> Any:
+        """Replay a recorded model decision after a crash; make tool events durable."""
+        ctx = self._model_context()
+        if ctx is None:
+            return handler(request)
+        cp = self.checkpointer
+        cp.append_records([], flush=ctx.thread_id)
+        if ctx.durability != "sync":
+            digest = messages_digest(list(request.state.get("messages") or []))
+            recorded = cp.decision(ctx.thread_id, ctx.graph_ns, digest)
+            if recorded is not None:
+                ai = load_message(recorded)
+                assert isinstance(ai, AIMessage)
+                self._decided(ctx, ai, replayed=True)
+                return ModelResponse(result=[ai])
+        response = handler(request)
+        self._decided(ctx, _first_ai(response), replayed=False)
+        return response
+
+    def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Make the run's last buffered events durable before it returns."""
+        ctx = self._model_context()
+        if ctx is not None:
+            self.checkpointer.append_records([], flush=ctx.thread_id)
+        return None
+
+    # -- async driver --------------------------------------------------------------------------
+
+    async def awrap_tool_call(self, request: ToolCallRequest, handler: AsyncToolHandler) -> Any:
+        """Async form of :meth:`wrap_tool_call`."""
+        self._check_owner(request, handler, is_async=True)
+        flow, ctx = self._flow(request)
+        pending: list[EventRecord] = []
+        value: Any = None
+        thrown: BaseException | None = None
+        try:
+            while True:
+                try:
+                    req = flow.throw(thrown) if thrown is not None else flow.send(value)
+                except StopIteration as stop:
+                    result = stop.value
+                    break
+                value, thrown = None, None
+                try:
+                    value = await self._ado(req, handler, pending)
+                except Exception as exc:
+                    thrown = exc
+        except BaseException:
+            await self.checkpointer.aappend_records(pending, flush=ctx.thread_id)
+            raise
+        self.checkpointer.defer_records(pending)
+        return result
+
+    async def _ado(self, req: Any, handler: AsyncToolHandler, pending: list[EventRecord]) -> Any:
+        cp = self.checkpointer
+        if isinstance(req, CallTool):
+            token = set_invocation(req.invocation)
+            try:
+                answer = await handler(req.request)
+            finally:
+                reset_invocation(token)
+            if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
+                raise ErrorAnswer(answer)
+            return answer
+        if isinstance(req, ReadEntry):
+            return await cp.aledger_entry(req.key)
+        if isinstance(req, WriteEntry):
+            return await self._awrite(req, pending)
+        if isinstance(req, CheckEffect):
+            return await _aprecheck(req.ctx, req.request)
+        if isinstance(req, Sleep):
+            await _clock.asleep(req.seconds)
+            return None
+        if isinstance(req, ReadLedger):
+            extra = await cp.aledger_entry(req.key) if req.key else None
+            return self._ledger_view(await cp.aledger(req.thread_id), extra)
+        if isinstance(req, RecordDecision):
+            if self._first_record(req):
+                await cp.arecord_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
+            return None
+        if isinstance(req, Compensate):
+            await acompensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
+            return None
+        if isinstance(req, Flush):
+            if pending:
+                await cp.aappend_records(list(pending))
+                pending.clear()
+            return None
+        # WriteEvent and Ask need no I/O of their own: the sync driver's code does.
+        return self._do(req, _no_handler, pending)
+
+    async def awrap_model_call(
+        self,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
+    ) -> Any:
+        """Async form of :meth:`wrap_model_call`."""
+        ctx = self._model_context()
+        if ctx is None:
+            return await handler(request)
+        cp = self.checkpointer
+        await cp.aappend_records([], flush=ctx.thread_id)
+        if ctx.durability != "sync":
+            digest = messages_digest(list(request.state.get("messages") or []))
+            recorded = await cp.adecision(ctx.thread_id, ctx.graph_ns, digest)
+            if recorded is not None:
+                ai = load_message(recorded)
+                assert isinstance(ai, AIMessage)
+                self._decided(ctx, ai, replayed=True)
+                return ModelResponse(result=[ai])
+        response = await handler(request)
+        self._decided(ctx, _first_ai(response), replayed=False)
+        return response
+
+    async def aafter_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Async form of :meth:`after_agent`."""
+        ctx = self._model_context()
+        if ctx is not None:
+            await self.checkpointer.aappend_records([], flush=ctx.thread_id)
+        return None
+
+
+def _no_handler(request: ToolCallRequest) -> ToolMessage:  # pragma: no cover - never called
+    raise AssertionError("tool calls are driven by the async driver")
