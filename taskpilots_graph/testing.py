@@ -1,4 +1,5 @@
-"""Test seams: fault-injecting tool wrappers and a clock that does not really sleep.
+"""Test seams: fault-injecting tool wrappers, a clock that does not really sleep, and a
+scripted chat model for offline examples and tests.
 
 Example:
     >>> import taskpilots_graph as tp
@@ -12,19 +13,33 @@ Example:
 
 from __future__ import annotations
 
+import re
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 
 from taskpilots_graph import _clock
 from taskpilots_graph.tools import SideEffectTool
 
-__all__ = ["FakeClock", "FaultyTool", "down_for", "fail_after_effect", "failing", "fake_clock"]
+__all__ = [
+    "FakeClock",
+    "FaultyTool",
+    "ScriptedModel",
+    "down_for",
+    "fail_after_effect",
+    "failing",
+    "fake_clock",
+]
 
 ExcFactory = BaseException | Callable[[], BaseException]
 
@@ -151,3 +166,65 @@ def down_for(
         return (now - started[0] < seconds, False)
 
     return FaultyTool(tool, decide, exc)
+
+
+_FOLDED = re.compile(r"^- (\d+) earlier tool call\(s\) not listed$", re.MULTILINE)
+_LISTED = re.compile(r"^- \w+\(.*\) -> (?:ok|failed): ", re.MULTILINE)
+
+
+class ScriptedModel(BaseChatModel):
+    """A chat model that calls the planned tools one after the other, then answers.
+
+    It stands in for an LLM in examples and tests (no network, no key). Like a real model it
+    decides from the conversation it is shown, not from a counter, so a run resumed in a
+    fresh process continues where the conversation stands: a planned call counts as done
+    once an answer to it follows the last user message, including the calls the agent's
+    memory window folded into the system message. Every call gets a fresh random id.
+
+    Example:
+        >>> model = ScriptedModel(plan=[("lookup", {"customer_id": "c-1"}),
+        ...                             ("create_ticket", {"customer_id": "c-1"})])
+    """
+
+    plan: list[tuple[str, dict[str, Any]]]
+    answer: str = "Done."
+
+    @property
+    def _llm_type(self) -> str:
+        return "taskpilots-scripted"
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:
+        """Tools are named in the plan; binding changes nothing."""
+        return self
+
+    def _done(self, messages: list[BaseMessage]) -> int:
+        last_user = max(
+            (
+                i
+                for i, m in enumerate(messages)
+                if isinstance(m, HumanMessage) and m.name != "taskpilots_resume"
+            ),
+            default=-1,
+        )
+        done = sum(isinstance(m, ToolMessage) for m in messages[last_user + 1 :])
+        for m in messages:
+            if isinstance(m, SystemMessage):
+                text = str(m.content)
+                done += sum(int(n) for n in _FOLDED.findall(text)) + len(_LISTED.findall(text))
+        return done
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        done = self._done(messages)
+        if done >= len(self.plan):
+            message = AIMessage(self.answer)
+        else:
+            name, args = self.plan[done]
+            call_id = f"call_{uuid.uuid4().hex[:16]}"
+            message = AIMessage("", tool_calls=[{"name": name, "args": dict(args), "id": call_id}])
+        return ChatResult(generations=[ChatGeneration(message=message)])
