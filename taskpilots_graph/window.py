@@ -18,10 +18,12 @@ summary).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
@@ -30,11 +32,13 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
+from langchain_core.runnables import Runnable
 
 from taskpilots_graph.compression import (
     DEFAULT_SUMMARY_CHARS,
     DEFAULT_THRESHOLD_BYTES,
     Summarizer,
+    structural_summary,
 )
 from taskpilots_graph.errors import ConfigurationError
 
@@ -46,6 +50,7 @@ __all__ = [
     "Trim",
     "earlier_text",
     "model_input",
+    "model_summarizer",
     "plan_trim",
 ]
 
@@ -82,6 +87,45 @@ class ObservationPolicy:
             )
         if self.summarizer is not None and not callable(self.summarizer):
             raise ConfigurationError("summarizer must be callable")
+
+
+_SUMMARY_PROMPT = (
+    "Summarize this tool result for an agent that will not see it again. Keep ids, numbers, "
+    "names, statuses and anything the next steps may need; at most {max_chars} characters."
+)
+
+
+def model_summarizer(
+    model: Runnable[LanguageModelInput, BaseMessage],
+    *,
+    max_input_chars: int = 20_000,
+    prompt: str = _SUMMARY_PROMPT,
+) -> Callable[..., str]:
+    """A :class:`~taskpilots_graph.compression.Summarizer` that asks a chat model.
+
+    The model sees the structural summary followed by the start of the result (at most
+    ``max_input_chars``). Use a model at temperature 0: a step replayed after a crash
+    summarizes again, and the state should come out the same. A model that fails falls back
+    to the structural summary, so a summary never costs the observation.
+    """
+
+    def summarize(payload: Any, /, *, max_chars: int) -> str:
+        text = payload if isinstance(payload, str) else json.dumps(payload, default=str)
+        head = text[:max_input_chars]
+        outline = structural_summary(payload, max_chars=max_chars)
+        try:
+            answer = model.invoke(
+                [
+                    SystemMessage(prompt.format(max_chars=max_chars)),
+                    HumanMessage(f"Outline:\n{outline}\n\nResult (start):\n{head}"),
+                ]
+            )
+        except Exception:
+            return outline
+        summary = str(answer.content).strip()
+        return summary[:max_chars] if summary else outline
+
+    return summarize
 
 
 @dataclass(frozen=True, slots=True)

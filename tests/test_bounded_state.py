@@ -421,3 +421,27 @@ async def test_async_prune_and_sweep(tmp_path: Path) -> None:
         assert len([t async for t in acp.alist(_config("t-async"))]) == 1
         swept = await acp.asweep(older_than=0)
         assert swept.deleted == ("t-async",)
+
+
+def test_model_summarizer_bounds_and_falls_back() -> None:
+    from taskpilots_graph.window import model_summarizer
+
+    class Summarizing(ScriptedChatModel):
+        def decide(self, messages: list[BaseMessage]) -> AIMessage:
+            return AIMessage("rows 0..n, digests; " * 100)
+
+    class Broken(ScriptedChatModel):
+        def decide(self, messages: list[BaseMessage]) -> AIMessage:
+            raise TimeoutError("model down")
+
+    rows = [{"id": i} for i in range(1000)]
+    model = Summarizing()
+    summary = model_summarizer(model, max_input_chars=500)(rows, max_chars=300)
+    assert summary.startswith("rows 0..n")
+    assert len(summary) == 300
+    shown = str(model.inputs[0][-1].content)
+    assert len(shown) < 500 + 1000  # the outline plus at most 500 characters of the result
+    fallback = model_summarizer(Broken())(rows, max_chars=300)
+    assert fallback.startswith("JSON array: 1,000 items")  # the structural summary
+    # Plugged into the agent's observation policy.
+    assert ObservationPolicy(summarizer=model_summarizer(model)).summarizer is not None
