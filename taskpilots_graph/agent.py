@@ -158,7 +158,7 @@ def create_recovery_agent(
         observations: Results above its threshold (4 KB by default) are stored as an
             artifact (``cp.artifact(id)``) and the state, so the model, gets a summary and
             the id. ``None`` keeps every result whole.
-        memory_window: The state keeps the last ``raw_turns`` model turns whole (3 by
+        memory_window: The state keeps the last ``raw_turns`` model turns whole (2 by
             default) and a line for each of a few before them; the event log keeps the
             whole trail. ``None`` keeps every message (the state then grows with the run).
         checkpoint_density: ``"every_step"``, ``"tool_boundary"`` or ``"milestones"``: which

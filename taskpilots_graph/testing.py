@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,7 @@ __all__ = [
     "FakeClock",
     "FaultyTool",
     "ScriptedModel",
+    "answered_calls",
     "down_for",
     "fail_after_effect",
     "failing",
@@ -172,6 +173,29 @@ _FOLDED = re.compile(r"^- (\d+) earlier tool call\(s\) not listed$", re.MULTILIN
 _LISTED = re.compile(r"^- \w+\(.*\) -> (?:ok|failed): ", re.MULTILINE)
 
 
+def answered_calls(messages: Sequence[BaseMessage]) -> int:
+    """Tool calls answered since the last user message, as a model would count them.
+
+    Counts the answers in the conversation and, in a conversation of one user turn, the
+    calls the agent's memory window folded into the system message (those lines do not say
+    which turn they belong to).
+    """
+    users = [
+        i
+        for i, m in enumerate(messages)
+        if isinstance(m, HumanMessage) and m.name != "taskpilots_resume"
+    ]
+    last_user = users[-1] if users else -1
+    done = sum(isinstance(m, ToolMessage) for m in messages[last_user + 1 :])
+    if len(users) > 1:
+        return done
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            text = str(m.content)
+            done += sum(int(n) for n in _FOLDED.findall(text)) + len(_LISTED.findall(text))
+    return done
+
+
 class ScriptedModel(BaseChatModel):
     """A chat model that calls the planned tools one after the other, then answers.
 
@@ -197,22 +221,6 @@ class ScriptedModel(BaseChatModel):
         """Tools are named in the plan; binding changes nothing."""
         return self
 
-    def _done(self, messages: list[BaseMessage]) -> int:
-        last_user = max(
-            (
-                i
-                for i, m in enumerate(messages)
-                if isinstance(m, HumanMessage) and m.name != "taskpilots_resume"
-            ),
-            default=-1,
-        )
-        done = sum(isinstance(m, ToolMessage) for m in messages[last_user + 1 :])
-        for m in messages:
-            if isinstance(m, SystemMessage):
-                text = str(m.content)
-                done += sum(int(n) for n in _FOLDED.findall(text)) + len(_LISTED.findall(text))
-        return done
-
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -220,7 +228,7 @@ class ScriptedModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        done = self._done(messages)
+        done = answered_calls(messages)
         if done >= len(self.plan):
             message = AIMessage(self.answer)
         else:

@@ -14,9 +14,11 @@ from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from pydantic import Field
+
+from taskpilots_graph.testing import answered_calls
 
 RESUME_MESSAGE = "taskpilots_resume"  # the name of the resume prompt's message
 
@@ -76,7 +78,8 @@ class PlanModel(ScriptedChatModel):
             ),
             default=0,
         )
-        answered = sum(isinstance(m, ToolMessage) for m in messages[last:])
+        # The answers in view, plus the calls the memory window folded away.
+        answered = answered_calls(messages)
         if answered >= len(self.plan):
             return AIMessage("done")
         name, args = self.plan[answered]

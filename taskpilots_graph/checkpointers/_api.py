@@ -44,17 +44,6 @@ from taskpilots_graph.locks.base import LeaseBackend
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
 
 
-def _keep(keep: Keep, strategy: str | None) -> Keep:
-    if strategy is None:
-        return keep
-    if strategy == "keep_latest":
-        return "latest"
-    raise ConfigurationError(
-        f"strategy {strategy!r} is not supported; use keep='latest' or keep='milestones' "
-        "(delete_thread removes a whole thread)"
-    )
-
-
 def checked_artifact_store(artifacts: object) -> ArtifactStore | None:
     """``artifacts`` if it is ``None`` or implements :class:`ArtifactStore`.
 
@@ -438,14 +427,20 @@ class RecoveryAPI(DelegatingSaver):
         With ``keep="milestones"`` the checkpoints where a business milestone was reached
         (``rewind`` targets) stay too. Events, ledger entries and artifacts are never
         pruned. A thread with a pending takeover, an uncertain ledger entry or a held lease
-        (when ``leases`` is given) is refused, and the report says why. LangGraph's
-        ``strategy="keep_latest"`` is accepted as ``keep="latest"``.
+        (when ``leases`` is given) is refused, and the report says why.
+
+        Called LangGraph's way, with ``strategy=`` (``"keep_latest"`` or ``"delete"``), it
+        is the wrapped saver's own ``prune``, with LangGraph's semantics and none of the
+        checks above (``UnsupportedOperation`` where that saver has none).
 
         Raises:
             ThreadNotFound: For an unknown thread id (nothing is pruned then).
-            ConfigurationError: For an unknown ``keep`` or ``strategy``.
+            ConfigurationError: For an unknown ``keep``.
         """
-        return retention.prune(self, thread_ids, keep=_keep(keep, strategy), leases=leases)
+        if strategy is not None:
+            super().prune(thread_ids, strategy=strategy)
+            return PruneReport(pruned=tuple(thread_ids))
+        return retention.prune(self, thread_ids, keep=keep, leases=leases)
 
     async def aprune(  # type: ignore[override]
         self,
@@ -456,7 +451,10 @@ class RecoveryAPI(DelegatingSaver):
         strategy: str | None = None,
     ) -> PruneReport:
         """Async form of :meth:`prune`."""
-        return await retention.aprune(self, thread_ids, keep=_keep(keep, strategy), leases=leases)
+        if strategy is not None:
+            await super().aprune(thread_ids, strategy=strategy)
+            return PruneReport(pruned=tuple(thread_ids))
+        return await retention.aprune(self, thread_ids, keep=keep, leases=leases)
 
     def sweep(
         self, *, older_than: float | timedelta, leases: LeaseBackend | None = None
