@@ -81,8 +81,9 @@ class FlowState(TypedDict, total=False):
         committed: Ledger keys of effects committed by this thread, in order.
         signatures: How often each failure signature occurred (stuck detection).
         reason: Why the run waits, escalated or failed.
-        turn_steps: Model decisions since the user's last message or a person's last
-            decision (the step budget of ``max_steps``; a decision buys a fresh one).
+        budget_turn: Id of the user message during which a person last decided.
+        budget_from: Model decisions of that user turn spent before the decision (a
+            decision buys a fresh ``max_steps`` budget).
         resumed_seq: The ``run_resumed`` event whose resume context was given to the model.
         milestones: Business milestones reached, in order.
     """
@@ -93,7 +94,8 @@ class FlowState(TypedDict, total=False):
     committed: list[str]
     signatures: dict[str, int]
     reason: str | None
-    turn_steps: int
+    budget_turn: str | None
+    budget_from: int
     resumed_seq: int | None
     milestones: list[str]
 

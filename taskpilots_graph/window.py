@@ -49,6 +49,7 @@ __all__ = [
     "MemoryWindow",
     "ObservationPolicy",
     "Trim",
+    "decisions_this_turn",
     "earlier_text",
     "model_input",
     "model_summarizer",
@@ -175,10 +176,15 @@ class MemoryState(TypedDict, total=False):
     Attributes:
         earlier: The most recent folded calls, oldest first.
         folded: Calls folded away before those (their trail is in the event log).
+        user_turn: Id of the user message the folded decisions below answer.
+        decisions: Model decisions folded away since that user message (the step budget
+            counts them with those still in view).
     """
 
     earlier: list[EarlierStep]
     folded: int
+    user_turn: str | None
+    decisions: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +225,28 @@ def _turns(messages: Sequence[BaseMessage]) -> list[list[BaseMessage]]:
     return turns
 
 
+def _last_user(messages: Sequence[BaseMessage]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, HumanMessage) and message.name != "taskpilots_resume":
+            return index
+    return -1
+
+
+def decisions_this_turn(
+    messages: Sequence[BaseMessage], memory: MemoryState | None
+) -> tuple[str | None, int]:
+    """``(id of the user's last message, model decisions with tool calls since it)``,
+    counting those folded out of the window."""
+    last = _last_user(messages)
+    user = messages[last].id if last >= 0 else None
+    in_view = sum(1 for m in messages[last + 1 :] if isinstance(m, AIMessage) and m.tool_calls)
+    folded = (
+        int((memory or {}).get("decisions", 0)) if (memory or {}).get("user_turn") == user else 0
+    )
+    return user, folded + in_view
+
+
 def _complete(turn: Sequence[BaseMessage]) -> bool:
     ai = turn[0]
     assert isinstance(ai, AIMessage)
@@ -253,6 +281,13 @@ def plan_trim(
         return None
     earlier = list((memory or {}).get("earlier", []))
     folded = int((memory or {}).get("folded", 0))
+    last = _last_user(messages)
+    this_turn = {id(m) for m in messages[last + 1 :]}
+    user, _ = decisions_this_turn(messages, None)
+    decisions = int((memory or {}).get("decisions", 0))
+    if (memory or {}).get("user_turn") != user:
+        decisions = 0
+    decisions += sum(1 for turn in leaving if id(turn[0]) in this_turn)
     removed: list[RemoveMessage] = []
     step_ids: list[str] = []
     for turn in leaving:
@@ -267,7 +302,12 @@ def plan_trim(
     return Trim(
         messages=removed,
         steps=[s for s in step_ids if s in steps],
-        memory={"earlier": earlier[overflow:], "folded": folded + overflow},
+        memory={
+            "earlier": earlier[overflow:],
+            "folded": folded + overflow,
+            "user_turn": user,
+            "decisions": decisions,
+        },
     )
 
 

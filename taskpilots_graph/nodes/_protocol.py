@@ -20,6 +20,13 @@ from pydantic import ValidationError
 
 from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.drift import (
+    Comparator,
+    ResultDrifted,
+    brief_value,
+    detect_drift,
+    result_digest,
+)
 from taskpilots_graph.errors import ConfigurationError, LedgerConflict
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
@@ -56,7 +63,7 @@ __all__ = [
 
 SUMMARY_CHARS = 2048
 """Raw responses and errors are truncated to this many characters in events."""
-RESULT_CHARS = 512
+RESULT_CHARS = 256
 """Bound on a successful result in its event: a summary of what came back. The ledger keeps
 a side effect's whole result, and the checkpoint writes the one the model saw."""
 
@@ -113,6 +120,14 @@ class CallContext:
     spec: SideEffectSpec | None
     key: str
     rules: tuple[Rule, ...] = ()
+    confirm_drift: bool = False  # a different result on a repeated call stops for a person
+    drift_comparator: Comparator | None = None
+    previous: Mapping[str, Any] | None = None  # the call's earlier ``tool_succeeded`` payload
+
+    @property
+    def keeps_value(self) -> bool:
+        """Whether the result's value goes into its event (a comparator will need it)."""
+        return self.confirm_drift or self.drift_comparator is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +282,35 @@ def _pure_call(ctx: CallContext) -> Protocol:
         failure = classify(exc, ctx.rules)
         yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), 1))
         return CallOutcome(error=exc, failure=failure)
-    yield WriteEvent(
-        _event(ctx, EventKind.TOOL_SUCCEEDED, result=_truncate(str(result), RESULT_CHARS))
-    )
-    return CallOutcome(result=result)
+    yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, **_success(ctx, result)))
+    return (yield from _compared(ctx, result, recordable(result)[0]))
+
+
+def _success(ctx: CallContext, result: Any) -> dict[str, Any]:
+    """The payload of a ``tool_succeeded`` event: a summary, and a digest of the whole
+    result so that a later run of the same call can tell whether it drifted."""
+    payload = {"result": _truncate(str(result), RESULT_CHARS), "digest": result_digest(result)}
+    if ctx.keeps_value:
+        payload["value"] = brief_value(result)
+    return payload
+
+
+def _compared(ctx: CallContext, result: Any, recorded: Any) -> Protocol:
+    """The outcome of a successful call, after comparing it with the call's earlier result.
+
+    A drift is recorded as an event; for a high-risk tool the step then stops for a
+    person (:class:`~taskpilots_graph.drift.ResultDrifted`, keeping ``recorded``).
+    """
+    if ctx.previous is None:
+        return CallOutcome(result=result)
+    drift = detect_drift(ctx.previous, result, comparator=ctx.drift_comparator)
+    if drift is None:
+        return CallOutcome(result=result)
+    yield WriteEvent(_event(ctx, EventKind.RESULT_DRIFTED, confirm=ctx.confirm_drift, **drift))
+    if not ctx.confirm_drift:
+        return CallOutcome(result=result)
+    exc = ResultDrifted(tool=ctx.tool, tool_call_id=ctx.tool_call_id, drift=drift, result=recorded)
+    return CallOutcome(error=exc, failure=classify(exc))
 
 
 def _reconcile(
@@ -382,11 +422,9 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         updated_at=_now(),
         extra={**intended.extra, "result_reduced": reduced} if reduced else intended.extra,
     )
-    succeeded = _event(
-        ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, result=_truncate(str(result), RESULT_CHARS)
-    )
+    succeeded = _event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **_success(ctx, result))
     yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
-    return CallOutcome(result=result)
+    return (yield from _compared(ctx, result, recorded))
 
 
 def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol:

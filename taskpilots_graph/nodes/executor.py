@@ -45,13 +45,14 @@ from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.compression import CompressedObservation, Observation, compress_observation
+from taskpilots_graph.drift import ResultDrifted
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
     LockBackendUnavailable,
     ThreadBusy,
 )
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.ledger import (
     LedgerEntry,
@@ -75,6 +76,7 @@ from taskpilots_graph.nodes._protocol import (
     lock_refused,
     run_call,
 )
+from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import (
@@ -87,6 +89,11 @@ from taskpilots_graph.tools import (
 from taskpilots_graph.window import MemoryWindow, ObservationPolicy, plan_trim
 
 __all__ = ["RecoveryExecutor", "error_message", "lock_target", "pending_calls", "tool_content"]
+
+
+STEP_RESULT_CHARS = 120
+"""Bound on the result kept in a step record and in its ``step_completed`` event: the
+model saw the whole (or summarized) result, and ``tool_succeeded`` keeps a longer excerpt."""
 
 
 def lock_target(name: str, tool: str) -> tuple[str, str]:
@@ -162,6 +169,7 @@ class _Step:
     first_time: bool
     signatures_seen: Mapping[str, int]
     pending: list[EventRecord] = field(default_factory=list)
+    replayed: bool = False  # some call may have run before: compare results (drift)
 
     def take_pending(self) -> list[EventRecord]:
         pending, self.pending = self.pending, []
@@ -280,6 +288,7 @@ class RecoveryExecutor:
                     args=args,
                 )
             )
+            policy = self.policy(using)
             call_ctx = CallContext(
                 thread_id=ctx.thread_id,
                 checkpoint_ns=ctx.graph_ns,
@@ -288,7 +297,10 @@ class RecoveryExecutor:
                 tool_call_id=call["id"],
                 spec=spec,
                 key=key,
-                rules=tuple(self.policy(using).rules),
+                rules=tuple(policy.rules),
+                confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
+                drift_comparator=(spec.drift_comparator if spec is not None else None)
+                or policy.drift_comparator,
             )
             prepared.append(_Call(call, tool, call_ctx, record))
         if not prepared:
@@ -296,6 +308,11 @@ class RecoveryExecutor:
         first_time = not any(c["id"] in steps for c in ai.tool_calls)
         seen = (state.get("flow") or {}).get("signatures", {})
         step = _Step(ctx, ai, prepared, first_time, dict(seen))
+        # A call may have run before when its step ran before (a retry), or when this run
+        # continues one that stopped before the model was asked again (a replayed step).
+        step.replayed = _resumed_before_think(state, config) or any(
+            c.record.get("calls", 0) > 0 for c in prepared
+        )
         if first_time:
             step.pending.append(
                 self._event(
@@ -308,6 +325,19 @@ class RecoveryExecutor:
                 )
             )
         return step
+
+    @staticmethod
+    def _attach_previous(step: _Step, events: Sequence[Event]) -> None:
+        """Give each call the ``tool_succeeded`` payload of its latest earlier execution."""
+        latest: dict[tuple[Any, Any], Mapping[str, Any]] = {}
+        for event in events:
+            if event.kind is EventKind.TOOL_SUCCEEDED and not event.superseded:
+                p = event.payload
+                latest[(p.get("key"), p.get("tool_call_id"))] = p
+        for item in step.calls:
+            found = latest.get((item.ctx.key, item.ctx.tool_call_id))
+            if found is not None:
+                item.ctx = replace(item.ctx, previous=found)
 
     def _needs_decision_record(self, step: _Step) -> bool:
         # With durability "sync" the checkpoint holding the model's message is on disk before
@@ -346,17 +376,23 @@ class RecoveryExecutor:
             return base, error_message(call, f"Error: unknown tool {item.ctx.tool!r}")
         if outcome.failure is None:
             content, observation = self._observe(outcome.result, artifacts)
-            base.update({"status": "closed", "failure": None, "result": content[:200]})
+            base.update(
+                {"status": "closed", "failure": None, "result": content[:STEP_RESULT_CHARS]}
+            )
             return base, ToolMessage(
                 content=content,
                 tool_call_id=call["id"] or "",
                 name=call["name"],
                 artifact=observation,
             )
+        failure = failure_payload(outcome.failure)
+        if isinstance(outcome.error, ResultDrifted):
+            # Kept for the person: both values, and the new result that ``accept`` keeps.
+            failure["drift"] = {**outcome.error.drift, "current": outcome.error.result}
         base.update(
             {
                 "status": "waiting_tool",
-                "failure": failure_payload(outcome.failure),
+                "failure": failure,
                 "first_failed_at": record.get("first_failed_at") or _clock.now(),
             }
         )
@@ -430,7 +466,7 @@ class RecoveryExecutor:
                         else "failed",
                         "replayed": o.replayed,
                         "summary": (r.get("result") or (r.get("failure") or {}).get("message", ""))[
-                            :200
+                            :STEP_RESULT_CHARS
                         ],
                     }
                     for (_, o), r in zip(outcomes, closed, strict=True)
@@ -476,6 +512,8 @@ class RecoveryExecutor:
         if self._needs_decision_record(step):
             digest = messages_digest(_before(state["messages"], step.ai))
             cp.record_decision(step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai))
+        if step.replayed:
+            self._attach_previous(step, cp.events(step.ctx.thread_id))
         outcomes = []
         try:
             for item in step.calls:
@@ -585,6 +623,8 @@ class RecoveryExecutor:
             await cp.arecord_decision(
                 step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai)
             )
+        if step.replayed:
+            self._attach_previous(step, await cp.aevents(step.ctx.thread_id))
         outcomes = []
         try:
             for item in step.calls:
@@ -680,6 +720,15 @@ def _uncertain(exc: SideEffectUncertain) -> CallOutcome:
     # Not a crash of the run: a step whose effect nobody can confirm. The router hands it to
     # a person; the other calls of the step still run.
     return CallOutcome(error=exc, failure=classify(exc))
+
+
+def _resumed_before_think(state: Mapping[str, Any], config: RunnableConfig) -> bool:
+    """This run continues a stopped one (``resume`` / ``decide``) and the model has not been
+    asked since: the calls of the last model message were decided before, and may have run."""
+    marker = (config.get("configurable") or {}).get(RESUME_KEY)
+    if not isinstance(marker, Mapping):
+        return False
+    return bool((state.get("flow") or {}).get("resumed_seq") != marker.get("seq"))
 
 
 def _count(new: list[str], seen: Mapping[str, int]) -> Mapping[str, int]:

@@ -10,6 +10,7 @@ trigger) and applies the validated :class:`~taskpilots_graph.takeover.Decision`:
 * ``provide_result``: the person's result is committed in the ledger with a manual proof;
 * ``edit_args``: the step runs with the new arguments, hence under a new key;
 * ``abandon``: committed effects are compensated in reverse order and the run is closed.
+* ``accept`` (a drifted result only): the new result the tool returned is the step's result.
 
 Everything before ``interrupt()`` only reads, so LangGraph re-running the node on resume is
 harmless; ledger changes are compare-and-set and skipped when already applied, so a crash
@@ -38,6 +39,7 @@ from taskpilots_graph.nodes.compensate import ABANDONED
 from taskpilots_graph.nodes.executor import error_message, pending_calls, tool_content
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
+from taskpilots_graph.window import decisions_this_turn
 
 __all__ = ["TakeoverNode", "build_request", "waiting_steps"]
 
@@ -98,6 +100,10 @@ def build_request(
     failure = dict(first.get("failure") or {}) or None
     if failure is not None:
         failure["attempts"] = first.get("attempts")
+    drift = failure.pop("drift", None) if failure is not None else None
+    if isinstance(drift, Mapping):
+        options = _drift_options(tool, drift, options)
+        drift = {"tool": tool, "tool_call_id": first.get("tool_call_id"), **drift}
     return TakeoverRequest(
         thread_id=thread_id,
         goal=_goal(state["messages"]),
@@ -117,7 +123,24 @@ def build_request(
             for r in waiting
         ],
         options=options,
+        drift=dict(drift) if isinstance(drift, Mapping) else None,
     )
+
+
+def _drift_options(tool: str, drift: Mapping[str, Any], usual: Mapping[str, str]) -> dict[str, str]:
+    """What each answer to a drifted result triggers."""
+    return {
+        "accept": f"keeps the new result of {tool} and continues with it",
+        "retry": f"calls {tool} again and compares its answer with the new result",
+        "skip": usual["skip"],
+        "provide_result": f"records your result as {tool}'s result and continues",
+        "abandon": usual["abandon"],
+    }
+
+
+def _drifted(record: StepRecord) -> Mapping[str, Any] | None:
+    drift = (record.get("failure") or {}).get("drift")
+    return drift if isinstance(drift, Mapping) else None
 
 
 def targets(state: Mapping[str, Any], decision: Decision) -> list[StepRecord]:
@@ -135,10 +158,19 @@ def targets(state: Mapping[str, Any], decision: Decision) -> list[StepRecord]:
             raise InvalidDecision(
                 f"no step {decision.tool_call_id!r} waits on a person; waiting: {ids}"
             )
-        return chosen
+        return _accept_fits(decision, chosen)
     if decision.action in ("provide_result", "edit_args") and len(waiting) > 1:
         raise InvalidDecision(f"{len(waiting)} steps wait; say which one with tool_call_id=...")
-    return waiting
+    return _accept_fits(decision, waiting)
+
+
+def _accept_fits(decision: Decision, chosen: list[StepRecord]) -> list[StepRecord]:
+    if decision.action == "accept" and not all(_drifted(r) for r in chosen):
+        raise InvalidDecision(
+            "accept keeps a drifted result; no waiting step has one (retry, skip, "
+            "provide_result, edit_args or abandon)"
+        )
+    return chosen
 
 
 class TakeoverNode:
@@ -254,7 +286,7 @@ def _ledger_move(
             proof={"manual": True, "decided_by": who, "note": decision.note},
             updated_at=now,
         )
-    if action == "abandon":
+    if action in ("abandon", "accept"):
         return None
     # retry: released for one more execution (not sent, so the ledger executes it);
     # skip / edit_args: closed for good, the step goes on without this key.
@@ -274,12 +306,15 @@ def _ledger_move(
 def _command(
     state: Mapping[str, Any], decision: Decision, chosen: list[StepRecord]
 ) -> Command[str]:
+    # A decision buys a fresh step budget: what this user turn spent so far is set aside.
+    user, used = decisions_this_turn(state["messages"], state.get("memory"))
     flow: dict[str, Any] = {
         "stage": "running",
         "takeover": False,
         "reason": None,
         "signatures": {},
-        "turn_steps": 0,
+        "budget_turn": user,
+        "budget_from": used,
     }
     ids = [r.get("tool_call_id") or "" for r in chosen]
     action = decision.action
@@ -317,7 +352,9 @@ def _command(
             messages.append(error_message(call, "Skipped by a person; do not call it again."))
             closed[call_id] = {"status": "closed", "result": "skipped by a person"}
             continue
-        content = tool_content(decision.result)
+        drift = _drifted(record) or {}
+        # accept: the new result the tool returned, kept in the step until now.
+        content = tool_content(drift.get("current") if action == "accept" else decision.result)
         messages.append(ToolMessage(content=content, tool_call_id=call_id, name=call["name"]))
         # A provided result is the step's result: the step counts as done.
         closed[call_id] = {"status": "closed", "failure": None, "result": content[:_SUMMARY]}

@@ -48,7 +48,7 @@ from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
 from taskpilots_graph.prompts.templates import Language
-from taskpilots_graph.window import model_input
+from taskpilots_graph.window import decisions_this_turn, model_input
 
 __all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "close_dangling"]
 
@@ -118,12 +118,14 @@ def _bind(model: Model, tools: Sequence[BaseTool]) -> Runnable[LanguageModelInpu
     return bound
 
 
-def _decisions_this_turn(messages: Sequence[BaseMessage], flow: Mapping[str, Any]) -> int:
-    # Counted in the flow layer, not from the messages: those before the memory window are
-    # gone from the state. A user's new message starts a new turn.
-    if messages and isinstance(messages[-1], HumanMessage):
-        return 0
-    return int(flow.get("turn_steps", 0))
+def _budget_used(state: Mapping[str, Any]) -> int:
+    # Counted from the conversation and the window's memory (decisions folded out of view),
+    # less what was spent before a person's last decision in this user turn.
+    user, used = decisions_this_turn(state["messages"], state.get("memory"))
+    flow = state.get("flow") or {}
+    if flow.get("budget_turn") == user:
+        used -= int(flow.get("budget_from", 0))
+    return used
 
 
 class ThinkNode:
@@ -195,7 +197,7 @@ class ThinkNode:
 
     def _start(
         self, state: Mapping[str, Any], ctx: RunContext
-    ) -> tuple[list[EventRecord], Command[str] | None, int]:
+    ) -> tuple[list[EventRecord], Command[str] | None]:
         messages = state["messages"]
         events = []
         if messages and isinstance(messages[-1], HumanMessage):
@@ -204,14 +206,13 @@ class ThinkNode:
                     ctx, EventKind.AGENT_STARTED, goal=str(messages[-1].content)[:SUMMARY_CHARS]
                 )
             )
-        used = _decisions_this_turn(messages, state.get("flow") or {})
-        if used >= self.max_steps:
+        if _budget_used(state) >= self.max_steps:
             reason = f"stuck: {self.max_steps} model decisions in this turn without an answer"
             events.append(self._event(ctx, EventKind.STUCK_DETECTED, reason=reason))
             events.append(self._event(ctx, EventKind.TAKEOVER_REQUESTED, reason=reason))
             flow = {"stage": "awaiting_human", "takeover": True, "reason": reason}
-            return events, Command(goto="takeover", update={"flow": flow}), used
-        return events, None, used
+            return events, Command(goto="takeover", update={"flow": flow})
+        return events, None
 
     @staticmethod
     def _may_replay(ctx: RunContext, marker: Mapping[str, Any] | None) -> bool:
@@ -315,7 +316,7 @@ class ThinkNode:
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action synchronously."""
         ctx = run_context(config)
-        events, stuck, used = self._start(state, ctx)
+        events, stuck = self._start(state, ctx)
         if stuck is not None:
             self.checkpointer.append_records(events)
             return stuck
@@ -341,9 +342,7 @@ class ThinkNode:
                 ai = load_message(recorded)
             else:
                 ai = self._call(ctx, state, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"turn_steps": used + 1}
-            if marker:
-                flow["resumed_seq"] = marker.get("seq")
+            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
@@ -377,7 +376,7 @@ class ThinkNode:
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action asynchronously."""
         ctx = run_context(config)
-        events, stuck, used = self._start(state, ctx)
+        events, stuck = self._start(state, ctx)
         if stuck is not None:
             await self.checkpointer.aappend_records(events)
             return stuck
@@ -405,9 +404,7 @@ class ThinkNode:
                 ai = load_message(recorded)
             else:
                 ai = await self._acall(ctx, state, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"turn_steps": used + 1}
-            if marker:
-                flow["resumed_seq"] = marker.get("seq")
+            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
