@@ -29,6 +29,7 @@ from taskpilots_graph.errors import (
     MigrationError,
     NoPendingTakeover,
     PendingTakeover,
+    ResultDrifted,
     StorageError,
     TaskPilotsError,
     ThreadBusy,
@@ -56,6 +57,7 @@ from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
 from taskpilots_graph.prompts import ResumeFacts, build_resume_prompt, resume_facts
 from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
+from taskpilots_graph.recovery_map import RecoveryMap, ToolRecovery, recovery_map
 from taskpilots_graph.replay import Replay, ReplayStep, areplay, replay
 from taskpilots_graph.runner import (
     adecide,
@@ -82,9 +84,11 @@ from taskpilots_graph.tools import Invocation, SideEffectTool, current_invocatio
 from taskpilots_graph.window import MemoryWindow, ObservationPolicy
 
 if TYPE_CHECKING:
+    from taskpilots_graph import notebook
     from taskpilots_graph.middleware import RecoveryMiddleware, check_middleware
 
-# The middleware needs the optional ``langchain`` package: it is imported on first use.
+# The middleware needs the optional ``langchain`` package, the notebook views are for
+# Jupyter: both are imported on first use.
 _LAZY = frozenset({"RecoveryMiddleware", "check_middleware"})
 
 
@@ -93,6 +97,10 @@ def __getattr__(name: str) -> Any:
         from taskpilots_graph import middleware
 
         return getattr(middleware, name)
+    if name == "notebook":
+        import importlib
+
+        return importlib.import_module("taskpilots_graph.notebook")
     raise AttributeError(f"module 'taskpilots_graph' has no attribute {name!r}")
 
 
@@ -138,12 +146,14 @@ __all__ = [
     "RecoveryCheckpointer",
     "RecoveryDecision",
     "RecoveryExecutor",
+    "RecoveryMap",
     "RecoveryMetrics",
     "RecoveryMiddleware",
     "RecoveryRouter",
     "RecoveryState",
     "Replay",
     "ReplayStep",
+    "ResultDrifted",
     "ResumeContext",
     "ResumeFacts",
     "SideEffectSpec",
@@ -159,6 +169,7 @@ __all__ = [
     "ThreadInfo",
     "ThreadNotFound",
     "ToolPolicy",
+    "ToolRecovery",
     "ToolWaiting",
     "Unknown",
     "UnsupportedOperation",
@@ -182,7 +193,9 @@ __all__ = [
     "decide",
     "decide_recovery",
     "list_threads",
+    "notebook",
     "pending_takeovers",
+    "recovery_map",
     "recovery_metrics",
     "replay",
     "resume",

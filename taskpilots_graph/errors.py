@@ -15,6 +15,7 @@ can catch the whole family at once and still tell the cases apart by type::
     │   ├── MigrationError          the schema is newer than this library, or half-applied
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
     ├── PendingTakeover             the thread waits on a person's decision
+    ├── ResultDrifted               a high-risk call answered differently than before
     ├── NoPendingTakeover           a decision for a thread that waits on nobody
     ├── ThreadBusy                  another process holds the lease (thread or business lock)
     ├── ThreadNotFound              no checkpoint exists for the thread id
@@ -29,6 +30,7 @@ survive crossing a process boundary (workers, subprocess drills). LangGraph cont
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,6 +45,7 @@ __all__ = [
     "MigrationError",
     "NoPendingTakeover",
     "PendingTakeover",
+    "ResultDrifted",
     "StorageError",
     "TaskPilotsError",
     "ThreadBusy",
@@ -234,3 +237,33 @@ class LockBackendUnavailable(StorageError):
         )
         self.backend = backend
         self.reason = reason
+
+
+class ResultDrifted(TaskPilotsError):
+    """A high-risk tool answered the same call differently than before; a person confirms.
+
+    Classified ``data_uncertain`` (the recovery router hands it to a person). Its step
+    record keeps the new result for ``accept``.
+
+    Attributes:
+        tool: The tool.
+        tool_call_id: The call.
+        drift: What :func:`detect_drift` found.
+        result: The new result (as the ledger would record it).
+    """
+
+    failure_kind = "data_uncertain"
+    maybe_sent = False
+
+    def __init__(
+        self, *, tool: str, tool_call_id: str | None, drift: Mapping[str, Any], result: Any
+    ) -> None:
+        lines: Sequence[str] = drift.get("difference") or []
+        super().__init__(
+            f"{tool} returned a different result than when this call ran before "
+            f"({'; '.join(lines[:3]) or 'the values differ'}); a person must confirm it"
+        )
+        self.tool = tool
+        self.tool_call_id = tool_call_id
+        self.drift = dict(drift)
+        self.result = result

@@ -62,6 +62,7 @@ class EventKind(StrEnum):
     MILESTONE_REACHED = "milestone_reached"
     REWOUND = "rewound"
     STUCK_DETECTED = "stuck_detected"
+    RESULT_DRIFTED = "result_drifted"  # the same call answered differently when run again
 
 
 @dataclass(frozen=True, slots=True)

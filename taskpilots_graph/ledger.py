@@ -110,6 +110,11 @@ class SideEffectSpec:
         key: Business key function (e.g. ``lambda a: f"refund:{a['order_id']}"``); dedups
             across threads and agents. Default: derived from the tool call.
         lock: Names the business object to lock while the effect runs.
+        confirm_drift: High risk for drift: when the same call, run again, returns a
+            different result than before, a person confirms it (see
+            :mod:`taskpilots_graph.drift`).
+        drift_comparator: ``comparator(previous, current) -> bool`` (true: same meaning)
+            used instead of comparing digests.
     """
 
     precheck: Precheck | None = None
@@ -117,16 +122,19 @@ class SideEffectSpec:
     idempotent: bool = False
     key: KeyFn | None = None
     lock: LockFn | None = None
+    confirm_drift: bool = False
+    drift_comparator: Callable[[Any, Any], bool] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("precheck", "compensate", "key", "lock"):
+        for name in ("precheck", "compensate", "key", "lock", "drift_comparator"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigurationError(
                     f"side_effect({name}=...) must be a callable, got {type(value).__name__}"
                 )
-        if not isinstance(self.idempotent, bool):
-            raise ConfigurationError("side_effect(idempotent=...) must be True or False")
+        for name in ("idempotent", "confirm_drift"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"side_effect({name}=...) must be True or False")
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,6 +295,11 @@ class RecoveryMetrics:
         """
         return _render(_gauges(self))
 
+    def _repr_html_(self) -> str:
+        from taskpilots_graph.notebook.html import metrics_html
+
+        return metrics_html(self)
+
 
 @dataclass(frozen=True, slots=True)
 class _Gauge:

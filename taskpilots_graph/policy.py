@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,6 +80,11 @@ class ToolPolicy:
             ``retry_at`` instead of sleeping; a later ``resume`` continues.
         stuck_after: The same failure signature this many times in one thread is STUCK.
         rules: Classification rules for this tool, tried before the defaults.
+        confirm_drift: High risk for drift (meant for read tools; side-effecting ones can
+            say it in ``side_effect``): a call that, run again, returns a different result
+            than before stops for a person instead of silently taking the new result.
+        drift_comparator: ``comparator(previous, current) -> bool``, true when two results
+            mean the same; default: equal JSON.
     """
 
     max_attempts: int = 5
@@ -90,8 +95,16 @@ class ToolPolicy:
     max_in_process_wait: float = 30.0
     stuck_after: int = 3
     rules: Sequence[Rule] = ()
+    confirm_drift: bool = False
+    drift_comparator: Callable[[Any, Any], bool] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.confirm_drift, bool):
+            raise ConfigurationError("ToolPolicy.confirm_drift must be True or False")
+        if self.drift_comparator is not None and not callable(self.drift_comparator):
+            raise ConfigurationError(
+                "ToolPolicy.drift_comparator must be a callable (previous, current) -> bool"
+            )
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigurationError(
                 f"ToolPolicy.max_attempts must be an int ≥ 1 (1 = no retry), "

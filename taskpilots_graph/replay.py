@@ -161,6 +161,11 @@ class Replay:
         """JSON-serialisable form."""
         return {"thread_id": self.thread_id, "steps": [s.as_dict() for s in self.steps]}
 
+    def _repr_html_(self) -> str:
+        from taskpilots_graph.notebook.html import replay_html
+
+        return replay_html(self)
+
 
 def _failure_text(failure: Mapping[str, Any]) -> str:
     error_type = str(failure.get("error_type") or "Error").rsplit(".", 1)[-1]

@@ -15,10 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from taskpilots_graph.errors import InvalidDecision
 
-__all__ = ["DECISION_ACTIONS", "Decision", "TakeoverRequest", "parse_decision"]
+__all__ = ["DECISION_ACTIONS", "DRIFT_ACTIONS", "Decision", "TakeoverRequest", "parse_decision"]
 
-DecisionAction = Literal["retry", "skip", "provide_result", "edit_args", "abandon"]
+DecisionAction = Literal["retry", "skip", "provide_result", "edit_args", "abandon", "accept"]
 DECISION_ACTIONS: tuple[str, ...] = ("retry", "skip", "provide_result", "edit_args", "abandon")
+"""The answers to a takeover about a failed step."""
+DRIFT_ACTIONS: tuple[str, ...] = ("accept", "retry", "skip", "provide_result", "abandon")
+"""The answers to a takeover about a drifted result (see :mod:`taskpilots_graph.drift`)."""
 
 
 class Decision(BaseModel):
@@ -28,7 +31,8 @@ class Decision(BaseModel):
         action: ``retry`` (run the step again, same ledger key), ``skip`` (continue without
             it), ``provide_result`` (the person supplies the tool's result), ``edit_args``
             (run it with new arguments, hence a new key), ``abandon`` (compensate committed
-            effects and close the run).
+            effects and close the run), ``accept`` (only for a drifted result: keep the new
+            result the tool returned).
         result: The tool's result, for ``provide_result``.
         args: The new arguments, for ``edit_args``.
         tool_call_id: The step the decision is about; needed only when several steps wait.
@@ -92,6 +96,8 @@ class TakeoverRequest(BaseModel):
         uncertain_effects: Effects that may or may not have happened (key, tool, args).
         pending: The steps waiting on the decision (tool call id, tool, args, attempts).
         options: Each action and what it would trigger.
+        drift: For a drifted result: the tool, the call, the ``previous`` and ``current``
+            values and their ``difference`` (one line per changed field).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -106,6 +112,7 @@ class TakeoverRequest(BaseModel):
     uncertain_effects: list[dict[str, Any]] = Field(default_factory=list)
     pending: list[dict[str, Any]] = Field(default_factory=list)
     options: dict[str, str] = Field(default_factory=dict)
+    drift: dict[str, Any] | None = None
 
     def __str__(self) -> str:
         lines = [f"Thread {self.thread_id} needs a person: {self.reason or 'unknown reason'}"]
@@ -115,5 +122,13 @@ class TakeoverRequest(BaseModel):
             f"Uncertain: {item.get('tool')} with key {item.get('key')}"
             for item in self.uncertain_effects
         ]
+        if self.drift:
+            lines.append(f"Drifted: {self.drift.get('tool')} answered differently than before")
+            lines += [f"  {line}" for line in self.drift.get("difference") or []]
         lines += [f"  {action}: {trigger}" for action, trigger in self.options.items()]
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from taskpilots_graph.notebook.html import takeover_html
+
+        return takeover_html(self)

@@ -156,6 +156,11 @@ class ThreadInfo:
             data[name] = value.isoformat() if value is not None else None
         return data
 
+    def _repr_html_(self) -> str:
+        from taskpilots_graph.notebook.html import thread_html
+
+        return thread_html(self)
+
 
 def status_from_events(events: Sequence[Event]) -> ThreadStatus:
     """A thread's status read from its event log alone (I/O free).

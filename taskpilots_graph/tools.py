@@ -117,6 +117,8 @@ def side_effect(
     idempotent: bool = ...,
     key: KeyFn | None = ...,
     lock: LockFn | None = ...,
+    confirm_drift: bool = ...,
+    drift_comparator: Callable[[Any, Any], bool] | None = ...,
 ) -> SideEffectTool: ...
 
 
@@ -129,6 +131,8 @@ def side_effect(
     idempotent: bool = ...,
     key: KeyFn | None = ...,
     lock: LockFn | None = ...,
+    confirm_drift: bool = ...,
+    drift_comparator: Callable[[Any, Any], bool] | None = ...,
 ) -> Callable[[BaseTool], SideEffectTool]: ...
 
 
@@ -140,6 +144,8 @@ def side_effect(
     idempotent: bool = False,
     key: KeyFn | None = None,
     lock: LockFn | None = None,
+    confirm_drift: bool = False,
+    drift_comparator: Callable[[Any, Any], bool] | None = None,
 ) -> SideEffectTool | Callable[[BaseTool], SideEffectTool]:
     """Declare a LangChain tool as side-effecting, so the executor runs it through the ledger.
 
@@ -167,13 +173,28 @@ def side_effect(
             never run unlocked); a lock held elsewhere is waited for up to the lease TTL,
             then the call fails as ``TRANSIENT`` and is retried per policy. Without a lease
             backend the name is recorded on the ledger entry but not enforced.
+        confirm_drift: When the same call runs again (a replayed step, a person's retry)
+            and returns a different result than the one logged before, a person confirms
+            it (accept, retry, skip, provide the result, abandon) instead of the new result
+            silently replacing the old one. Without it a drift is recorded as a
+            ``result_drifted`` event and the new result is taken. A committed effect is
+            never run again (its recorded result is returned), so for side effects this
+            concerns executions whose earlier result was logged but not committed.
+        drift_comparator: ``comparator(previous, current) -> bool``, true when two results
+            mean the same (e.g. ignore a timestamp field); default: equal JSON.
 
     Raises:
         ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is
             of the wrong type.
     """
     spec = SideEffectSpec(
-        precheck=precheck, compensate=compensate, idempotent=idempotent, key=key, lock=lock
+        precheck=precheck,
+        compensate=compensate,
+        idempotent=idempotent,
+        key=key,
+        lock=lock,
+        confirm_drift=confirm_drift,
+        drift_comparator=drift_comparator,
     )
 
     def wrap(target: BaseTool) -> SideEffectTool:

@@ -22,12 +22,11 @@ from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, du
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.drift import (
     Comparator,
-    ResultDrifted,
     brief_value,
     detect_drift,
     result_digest,
 )
-from taskpilots_graph.errors import ConfigurationError, LedgerConflict
+from taskpilots_graph.errors import ConfigurationError, LedgerConflict, ResultDrifted
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
 from taskpilots_graph.ledger import (

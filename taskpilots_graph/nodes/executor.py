@@ -45,11 +45,11 @@ from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.compression import CompressedObservation, Observation, compress_observation
-from taskpilots_graph.drift import ResultDrifted
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
     LockBackendUnavailable,
+    ResultDrifted,
     ThreadBusy,
 )
 from taskpilots_graph.events import Event, EventKind

@@ -1,0 +1,501 @@
+"""Escaped, JavaScript-free HTML for the objects people inspect in a notebook.
+
+Every function returns one ``<div class="tp-view ...">`` fragment that starts with a small
+inline ``<style>`` (scoped to ``.tp-view``), so the views read the same in JupyterLab, in a
+classic notebook and in a static ``nbconvert --to html`` export. Every value that comes
+from a run (tool results, arguments, messages) is escaped: a tool that returned
+``<script>`` shows the text ``<script>``, it never runs.
+
+The module is I/O free; :mod:`taskpilots_graph.notebook.timeline` reads the store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+from taskpilots_graph.events import EventKind
+
+if TYPE_CHECKING:
+    from taskpilots_graph.ledger import LedgerEntry
+    from taskpilots_graph.metrics import RecoveryMetrics
+    from taskpilots_graph.replay import Replay, ReplayStep
+    from taskpilots_graph.takeover import TakeoverRequest
+    from taskpilots_graph.threads import ThreadInfo
+
+__all__ = [
+    "STEP_STATES",
+    "STYLE",
+    "ledger_html",
+    "metrics_html",
+    "replay_html",
+    "step_state",
+    "takeover_html",
+    "thread_html",
+    "timeline_html",
+]
+
+_CELL = 160  # characters of a JSON value or message shown in one table cell
+
+STEP_STATES: tuple[str, ...] = (
+    "ok",
+    "failed",
+    "waiting",
+    "degraded",
+    "uncertain",
+    "reconciled",
+    "human",
+    "resumed",
+    "compensating",
+    "closed",
+    "info",
+)
+"""The colour classes of timeline rows (``tp-s-<state>``), in legend order."""
+
+_COLOURS = {
+    "ok": "#e6f4ea",
+    "failed": "#fde7e9",
+    "waiting": "#fff4ce",
+    "degraded": "#ffe8d1",
+    "uncertain": "#f9d0d5",
+    "reconciled": "#e0f0ff",
+    "human": "#efe3fb",
+    "resumed": "#dcefff",
+    "compensating": "#ffe0cc",
+    "closed": "#c9ecd4",
+    "info": "#ffffff",
+}
+
+STYLE = (
+    "<style>"
+    ".tp-view{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;"
+    "margin:4px 0;color:#1f2328}"
+    ".tp-view h4{margin:6px 0 4px;font-size:14px}"
+    ".tp-view table{border-collapse:collapse;margin:2px 0 8px}"
+    ".tp-view th,.tp-view td{border:1px solid #d0d7de;padding:2px 6px;text-align:left;"
+    "vertical-align:top}"
+    ".tp-view th{background:#f6f8fa}"
+    ".tp-view code{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;"
+    "white-space:pre-wrap;word-break:break-all}"
+    ".tp-view .tp-summary{margin:2px 0 6px}"
+    ".tp-view .tp-badge{display:inline-block;padding:0 6px;border-radius:8px;"
+    "border:1px solid #8c959f;font-size:12px}"
+    ".tp-view .tp-superseded td{text-decoration:line-through;color:#6e7781}"
+    + "".join(f".tp-view .tp-s-{state}{{background:{c}}}" for state, c in _COLOURS.items())
+    + "</style>"
+)
+"""The inline stylesheet every view starts with (no external CSS, no script)."""
+
+
+# -- small helpers -----------------------------------------------------------------------------
+
+
+def _text(value: Any, limit: int = _CELL) -> str:
+    """``value`` as short, escaped text (JSON for non-strings)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        text = value
+    else:
+        if isinstance(value, Mapping):
+            value = dict(value)
+        text = json.dumps(value, ensure_ascii=False, default=str, sort_keys=True)
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return escape(text)
+
+
+def _code(value: Any, limit: int = _CELL) -> str:
+    text = _text(value, limit)
+    return f"<code>{text}</code>" if text else ""
+
+
+def _time(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _table(head: Sequence[str], rows: Iterable[tuple[str, Sequence[str]]], css: str) -> str:
+    """A table; ``rows`` are ``(row class, already escaped cells)``."""
+    th = "".join(f"<th>{escape(h)}</th>" for h in head)
+    body = "".join(
+        (f'<tr class="{escape(cls)}">' if cls else "<tr>")
+        + "".join(f"<td>{cell}</td>" for cell in cells)
+        + "</tr>"
+        for cls, cells in rows
+    )
+    return f'<table class="{css}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _view(css: str, title: str, *parts: str) -> str:
+    return f'<div class="tp-view {css}">{STYLE}<h4>{escape(title)}</h4>{"".join(parts)}</div>'
+
+
+def _pairs(items: Iterable[tuple[str, str]], css: str) -> str:
+    rows = [("", [f"<b>{escape(k)}</b>", v]) for k, v in items]
+    return _table(["field", "value"], rows, css)
+
+
+# -- timeline ----------------------------------------------------------------------------------
+
+_STATES: dict[EventKind, str] = {
+    EventKind.TOOL_SUCCEEDED: "ok",
+    EventKind.TOOL_SKIPPED: "ok",
+    EventKind.TOOL_FAILED: "failed",
+    EventKind.MODEL_FAILED: "failed",
+    EventKind.STUCK_DETECTED: "failed",
+    EventKind.RETRY_SCHEDULED: "waiting",
+    EventKind.TOOL_PAUSED: "waiting",
+    EventKind.DEGRADED: "degraded",
+    EventKind.EFFECT_UNCERTAIN: "uncertain",
+    EventKind.EFFECT_RECONCILED: "reconciled",
+    EventKind.TAKEOVER_REQUESTED: "human",
+    EventKind.DECISION_RECORDED: "human",
+    EventKind.RUN_RESUMED: "resumed",
+    EventKind.RESUME_CONTEXT: "resumed",
+    EventKind.REWOUND: "resumed",
+    EventKind.COMPENSATED: "compensating",
+}
+
+
+def step_state(kind: EventKind, payload: Mapping[str, Any]) -> str:
+    """The colour class of one event (one of :data:`STEP_STATES`)."""
+    if kind is EventKind.AGENT_FINISHED:
+        return "failed" if payload.get("status") == "failed" else "closed"
+    return _STATES.get(kind, "info")
+
+
+def _legend() -> str:
+    badges = "".join(f'<span class="tp-badge tp-s-{s}">{s}</span> ' for s in STEP_STATES)
+    return f'<div class="tp-legend">{badges}</div>'
+
+
+def timeline_html(thread_id: str, steps: Sequence[ReplayStep], *, status: str | None = None) -> str:
+    """A thread's events as a colour-coded table: when, who, what, which tool and attempt.
+
+    Columns: ``#``, ``time`` (UTC), ``+s`` (seconds since the first event), ``actor``,
+    ``event``, ``tool``, ``attempt``, ``what happened``. Superseded rows are struck through.
+    """
+    live = [s for s in steps if not s.superseded]
+    count = {k: sum(1 for s in live if s.kind is k) for k in EventKind}
+    facts = [
+        f"{len(steps)} events",
+        f"{count[EventKind.TOOL_INVOKED]} tool calls",
+        f"{count[EventKind.TOOL_FAILED] + count[EventKind.MODEL_FAILED]} failures",
+        f"{count[EventKind.RETRY_SCHEDULED]} retries",
+        f"{count[EventKind.DEGRADED]} degradations",
+        f"{count[EventKind.TAKEOVER_REQUESTED]} takeovers",
+        f"{count[EventKind.RUN_RESUMED]} resumes",
+    ]
+    head = f"status <b>{escape(status)}</b> · " if status else ""
+    summary = f'<div class="tp-summary">{head}{escape(", ".join(facts))}</div>'
+    start = steps[0].at if steps else None
+    rows = []
+    for s in steps:
+        cls = f"tp-s-{step_state(s.kind, s.payload)}" + (" tp-superseded" if s.superseded else "")
+        offset = f"{(s.at - start).total_seconds():.3f}" if start is not None else ""
+        rows.append(
+            (
+                cls,
+                [
+                    str(s.index),
+                    _time(s.at),
+                    offset,
+                    escape(s.actor),
+                    escape(s.kind.value),
+                    _text(s.tool),
+                    "" if s.attempt is None else str(s.attempt),
+                    _text(s.summary, 240),
+                ],
+            )
+        )
+    table = _table(
+        ["#", "time", "+s", "actor", "event", "tool", "attempt", "what happened"],
+        rows,
+        "tp-timeline-table",
+    )
+    return _view("tp-timeline", f"Timeline of thread {thread_id!r}", summary, _legend(), table)
+
+
+def replay_html(replay: Replay) -> str:
+    """A :class:`~taskpilots_graph.Replay` as a timeline table."""
+    return timeline_html(replay.thread_id, replay.steps)
+
+
+# -- ledger ------------------------------------------------------------------------------------
+
+_LEDGER_STATES = {
+    "committed": "ok",
+    "compensated": "compensating",
+    "failed": "failed",
+    "uncertain": "uncertain",
+    "intended": "waiting",
+}
+
+
+def ledger_html(entries: Sequence[LedgerEntry], *, thread_id: str | None = None) -> str:
+    """Side-effect ledger entries as a table: key, tool, status, attempts, result, proof.
+
+    Columns: ``key``, ``thread``, ``tool``, ``status``, ``attempt``, ``arguments``,
+    ``result``, ``proof``, ``error``, ``updated``.
+    """
+    statuses: dict[str, int] = {}
+    for entry in entries:
+        statuses[entry.status.value] = statuses.get(entry.status.value, 0) + 1
+    by_status = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no effects"
+    summary = f'<div class="tp-summary">{len(entries)} entries: {escape(by_status)}</div>'
+    rows = [
+        (
+            f"tp-s-{_LEDGER_STATES.get(e.status.value, 'info')}",
+            [
+                _code(e.key, 80),
+                _text(e.thread_id),
+                _text(e.tool),
+                f'<span class="tp-badge">{escape(e.status.value)}</span>',
+                str(e.attempt),
+                _code(e.args),
+                _code(e.result),
+                _code(e.proof),
+                _code(e.error),
+                _time(e.updated_at),
+            ],
+        )
+        for e in entries
+    ]
+    table = _table(
+        [
+            "key",
+            "thread",
+            "tool",
+            "status",
+            "attempt",
+            "arguments",
+            "result",
+            "proof",
+            "error",
+            "updated",
+        ],
+        rows,
+        "tp-ledger-table",
+    )
+    title = "Side-effect ledger" + (f" of thread {thread_id!r}" if thread_id else "")
+    return _view("tp-ledger", title, summary, table)
+
+
+# -- takeover ----------------------------------------------------------------------------------
+
+
+def _records(items: Sequence[Mapping[str, Any]], css: str) -> str:
+    """A list of dicts as a table with the union of their keys as columns."""
+    if not items:
+        return "<p>none</p>"
+    keys = list(dict.fromkeys(k for item in items for k in item))
+    rows = [(css, [_code(item.get(k)) for k in keys]) for item in items]
+    return _table(keys, rows, "tp-records")
+
+
+def takeover_html(request: TakeoverRequest) -> str:
+    """What a person needs to decide: the failure, what is done, what is uncertain, options."""
+    failure = request.failure or {}
+    head = _pairs(
+        [
+            ("thread", _text(request.thread_id)),
+            ("goal", _text(request.goal, 400)),
+            ("reason", _text(request.reason, 400)),
+            ("failure", _text(" ".join(str(failure.get(k, "")) for k in ("kind", "error_type")))),
+            ("message", _text(failure.get("message"), 400)),
+            ("interrupt", _text(request.interrupt_id)),
+        ],
+        "tp-takeover-head",
+    )
+    options = _table(
+        ["option", "what it triggers"],
+        [
+            ("tp-s-human", [f"<b>{escape(action)}</b>", _text(trigger, 400)])
+            for action, trigger in request.options.items()
+        ],
+        "tp-options",
+    )
+    # A drifted result (a tool answered differently after recovery) is shown when present.
+    drift = getattr(request, "drift", None)
+    drifted = (
+        "<h4>Drifted result</h4>"
+        + _pairs(
+            [
+                ("tool", _text(drift.get("tool"))),
+                ("previous", _code(drift.get("previous"), 400)),
+                ("current", _code(drift.get("current"), 400)),
+                ("difference", _text("; ".join(map(str, drift.get("difference") or [])), 400)),
+            ],
+            "tp-drift",
+        )
+        if isinstance(drift, Mapping)
+        else ""
+    )
+    return _view(
+        "tp-takeover",
+        f"Takeover requested on thread {request.thread_id!r}",
+        head,
+        drifted,
+        "<h4>Uncertain effects</h4>",
+        _records(request.uncertain_effects, "tp-s-uncertain"),
+        "<h4>Waiting steps</h4>",
+        _records(request.pending, "tp-s-waiting"),
+        "<h4>Committed effects</h4>",
+        _records(request.committed_effects, "tp-s-ok"),
+        "<h4>Done steps</h4>",
+        _records(request.done_steps, ""),
+        "<h4>Options</h4>",
+        options,
+    )
+
+
+# -- metrics and threads -----------------------------------------------------------------------
+
+
+def metrics_html(metrics: RecoveryMetrics) -> str:
+    """The four recovery metrics, the runs by status and the per-tool figures."""
+    lr, dup, ttc, tk, runs = (
+        metrics.local_recovery,
+        metrics.duplicates,
+        metrics.time_to_close,
+        metrics.takeover,
+        metrics.runs,
+    )
+    per_100 = "n/a" if tk.per_100_runs is None else f"{tk.per_100_runs:.1f}"
+    headline = _table(
+        ["metric", "value", "from"],
+        [
+            (
+                "",
+                [
+                    "local recovery success rate",
+                    _percent(lr.rate),
+                    escape(
+                        f"{lr.recovered} of {lr.recovered + lr.unrecovered} settled failed steps "
+                        f"recovered ({lr.recovered_automatically} automatically), "
+                        f"{lr.pending} pending"
+                    ),
+                ],
+            ),
+            (
+                "",
+                [
+                    "duplicate side-effect rate",
+                    _percent(dup.rate),
+                    escape(
+                        f"{dup.duplicates} of {dup.effects} effects; upper bound "
+                        f"{_percent(dup.upper_rate)}"
+                    ),
+                ],
+            ),
+            (
+                "",
+                [
+                    "mean time to close after a tool failure",
+                    _seconds(ttc.mean_seconds),
+                    escape(
+                        f"{ttc.samples} closed, max {_seconds(ttc.max_seconds)}, "
+                        f"{ttc.failed} failed, {ttc.open} open"
+                    ),
+                ],
+            ),
+            (
+                "",
+                [
+                    "human takeovers per 100 runs",
+                    escape(per_100),
+                    escape(
+                        f"{tk.takeovers} takeovers over {tk.runs} runs, {tk.answered} answered "
+                        f"(waited {tk.wait_seconds:.1f} s), {tk.pending} pending"
+                    ),
+                ],
+            ),
+        ],
+        "tp-metrics-table",
+    )
+    run_table = _table(
+        ["total", "running", "waiting_tool", "awaiting_human", "closed", "failed"],
+        [
+            (
+                "",
+                [
+                    str(v)
+                    for v in (
+                        runs.total,
+                        runs.running,
+                        runs.waiting_tool,
+                        runs.awaiting_human,
+                        runs.closed,
+                        runs.failed,
+                    )
+                ],
+            )
+        ],
+        "tp-runs",
+    )
+    tools = _table(
+        ["tool", "calls", "failures by kind", "retries", "degradations", "compensations"],
+        [
+            (
+                "tp-s-failed" if t.failures else "",
+                [
+                    _text(t.tool),
+                    str(t.calls),
+                    _text(", ".join(f"{k}: {n}" for k, n in t.failures.items())),
+                    str(t.retries),
+                    str(t.degradations),
+                    str(t.compensations),
+                ],
+            )
+            for t in metrics.tools
+        ],
+        "tp-tools",
+    )
+    return _view(
+        "tp-metrics",
+        "Recovery metrics",
+        headline,
+        "<h4>Runs</h4>",
+        run_table,
+        "<h4>Tools</h4>",
+        tools,
+    )
+
+
+def thread_html(info: ThreadInfo) -> str:
+    """Where one thread stands, as a field/value table."""
+    step = info.current_step
+    pairs = [
+        ("status", f'<span class="tp-badge">{escape(info.status)}</span>'),
+        ("stage", _text(info.stage)),
+        ("reason", _text(info.reason, 400)),
+        ("takeover pending", "yes" if info.takeover_pending else "no"),
+        (
+            "current step",
+            _text(f"{step.using} ({step.status}, {step.attempts} attempts)") if step else "",
+        ),
+        ("last event", _text(f"{info.last_event or ''} at {_time(info.last_event_at)}")),
+        (
+            "counts",
+            escape(
+                f"{info.events} events, {info.tool_calls} tool calls, {info.tool_failures} "
+                f"failures, {info.retries} retries, {info.takeovers} takeovers, "
+                f"{info.effects} effects"
+            ),
+        ),
+    ]
+    return _view("tp-thread", f"Thread {info.thread_id!r}", _pairs(pairs, "tp-thread-table"))
