@@ -55,17 +55,17 @@ from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.sqlite import SqliteSaver
-from langgraph.graph import START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode, tools_condition
 
 import taskpilots_graph as tp
+from taskpilots_graph.demo.workflow import plain_react_graph
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.testing import answered_calls
 
 TARGET_RATIO = 1.5
 TARGET_EXTRA_WRITES = 2.0
@@ -122,7 +122,7 @@ class StepModel(BaseChatModel):
     ) -> ChatResult:
         first = next(m for m in messages if isinstance(m, HumanMessage))
         steps = int(json.loads(str(first.content))["steps"])
-        done = sum(1 for m in messages if isinstance(m, ToolMessage))
+        done = answered_calls(messages)  # also counts the steps the memory window folded
         if done >= steps:
             message = AIMessage(f"recorded {done} steps")
         else:
@@ -132,20 +132,8 @@ class StepModel(BaseChatModel):
 
 
 def build_plain(saver: BaseCheckpointSaver[Any]) -> Any:
-    """The same shape as ``demo.workflow.build_plain_graph``: model node + ``ToolNode``."""
-    tools = [make_tool(NoopService())]
-    bound = StepModel().bind_tools(tools)
-
-    def agent(state: MessagesState) -> dict[str, Any]:
-        return {"messages": [bound.invoke(state["messages"])]}
-
-    builder = StateGraph(MessagesState)
-    builder.add_node("agent", agent)
-    builder.add_node("tools", ToolNode(tools, handle_tool_errors=True))
-    builder.add_edge(START, "agent")
-    builder.add_conditional_edges("agent", tools_condition)
-    builder.add_edge("tools", "agent")
-    return builder.compile(checkpointer=saver)
+    """The same shape as the demo's plain graph: model node + ``ToolNode``."""
+    return plain_react_graph(StepModel(), [make_tool(NoopService())], saver)
 
 
 def build_ours(cp: tp.RecoveryCheckpointer) -> Any:
@@ -165,9 +153,9 @@ def run_once(graph: Any, steps: int) -> float:
         {"messages": [HumanMessage(json.dumps({"steps": steps}))]}, config, durability="sync"
     )
     elapsed = time.perf_counter() - start
-    done = sum(1 for m in result["messages"] if isinstance(m, ToolMessage))
-    if done != steps or "recorded" not in str(result["messages"][-1].content):
-        raise RuntimeError(f"run ended after {done} of {steps} steps")
+    answer = str(result["messages"][-1].content)
+    if answer != f"recorded {steps} steps":
+        raise RuntimeError(f"run ended without its {steps} steps: {answer!r}")
     return elapsed
 
 

@@ -50,10 +50,9 @@ from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.sqlite import SqliteSaver
-from langgraph.graph import START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode, tools_condition
 
 import taskpilots_graph as tp
+from taskpilots_graph.demo.workflow import plain_react_graph
 
 TARGET_BYTES_AT_1600 = 25 * 1024 * 1024
 TARGET_TIME_RATIO = 1.2
@@ -127,19 +126,8 @@ class PagingModel(BaseChatModel):
 
 
 def build_plain(saver: BaseCheckpointSaver[Any]) -> Any:
-    tools = [make_tool()]
-    bound = PagingModel().bind_tools(tools)
-
-    def agent(state: MessagesState) -> dict[str, Any]:
-        return {"messages": [bound.invoke(state["messages"])]}
-
-    builder = StateGraph(MessagesState)
-    builder.add_node("agent", agent)
-    builder.add_node("tools", ToolNode(tools, handle_tool_errors=True))
-    builder.add_edge(START, "agent")
-    builder.add_conditional_edges("agent", tools_condition)
-    builder.add_edge("tools", "agent")
-    return builder.compile(checkpointer=saver)
+    """The same shape as the demo's plain graph: model node + ``ToolNode``."""
+    return plain_react_graph(PagingModel(), [make_tool()], saver)
 
 
 def build_ours(cp: tp.RecoveryCheckpointer) -> Any:

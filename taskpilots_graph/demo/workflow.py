@@ -20,7 +20,7 @@ from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome
 from taskpilots_graph.tools import current_invocation, side_effect
 
-__all__ = ["build_plain_graph", "build_recovery_agent", "build_tools"]
+__all__ = ["build_plain_graph", "build_recovery_agent", "build_tools", "plain_react_graph"]
 
 PROMPT = "You handle support tickets: look up the customer, tag, open a ticket, reply, refund."
 
@@ -115,7 +115,14 @@ def build_plain_graph(
     model: BaseChatModel, services: Services, checkpointer: BaseCheckpointSaver[Any]
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """The same workflow as a textbook LangGraph ReAct loop (model node + ``ToolNode``)."""
-    tools = list(build_tools(services).values())
+    return plain_react_graph(model, list(build_tools(services).values()), checkpointer)
+
+
+def plain_react_graph(
+    model: BaseChatModel, tools: list[BaseTool], checkpointer: BaseCheckpointSaver[Any]
+) -> CompiledStateGraph[Any, Any, Any, Any]:
+    """The textbook LangGraph ReAct loop (model node + ``ToolNode``): the plain baseline of
+    the drills and benchmarks."""
     bound = model.bind_tools(tools)
 
     def agent(state: MessagesState) -> dict[str, Any]:
