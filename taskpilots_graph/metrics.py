@@ -295,6 +295,32 @@ class RecoveryMetrics:
         """
         return _render(_gauges(self))
 
+    def record_opentelemetry(self, meter: Any) -> list[Any]:
+        """Publish the metrics as OpenTelemetry observable gauges on ``meter``.
+
+        The same gauges as :meth:`to_prometheus` (names, help, labels as attributes); each
+        reports this snapshot when the meter's reader collects. Needs ``opentelemetry-api``
+        (the ``metrics`` extra). Returns the instruments.
+        """
+        from opentelemetry.metrics import CallbackOptions, Observation
+
+        instruments = []
+        for gauge in _gauges(self):
+
+            def observe(options: CallbackOptions, gauge: _Gauge = gauge) -> list[Observation]:
+                return [
+                    Observation(value, dict(zip(gauge.labels, labels, strict=True)))
+                    for labels, value in gauge.samples
+                    if not math.isnan(value)
+                ]
+
+            instruments.append(
+                meter.create_observable_gauge(
+                    gauge.name, callbacks=[observe], description=gauge.help
+                )
+            )
+        return instruments
+
     def _repr_html_(self) -> str:
         from taskpilots_graph.notebook.html import metrics_html
 

@@ -501,3 +501,38 @@ def test_killed_and_resumed_run_counts_no_duplicate(sqlite_path: str) -> None:
         0,
     )
     assert dict(next(t for t in m.tools if t.tool == "book").failures) == {}
+
+
+def test_metrics_publish_as_opentelemetry_gauges() -> None:
+    """The same gauges reach an OpenTelemetry reader, with labels as attributes."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    run = Log("t").start().fail(1, "c1").ok(2, "c1").finish(4)
+    m = compute_metrics(logs(run), now=T0)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    m.record_opentelemetry(provider.get_meter("taskpilots-test"))
+    data = reader.get_metrics_data()
+    assert data is not None
+    points = {
+        metric.name: {
+            tuple(sorted((p.attributes or {}).items())): p.value for p in metric.data.data_points
+        }
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+    }
+    prometheus = _prom(m)
+    assert points["taskpilots_local_recovery_rate"] == {(): 1.0}
+    assert points["taskpilots_runs"][(("status", "closed"),)] == 1.0
+    # Every defined Prometheus sample is there too; undefined (NaN) ones are left out.
+    for name, samples in prometheus.items():
+        for labels, value in samples.items():
+            if not math.isnan(value):
+                assert points[name][labels] == value, (name, labels)
+    assert (
+        "taskpilots_duplicate_side_effect_rate" not in points
+        or not points["taskpilots_duplicate_side_effect_rate"]
+    )
+    provider.shutdown()
