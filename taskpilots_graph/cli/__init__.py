@@ -1,0 +1,46 @@
+"""The ``taskpilots`` command: run the demo, inspect threads, answer takeovers, run drills.
+
+Every command takes ``--help``; read commands take ``--json``. Storage comes from ``--db``
+(a SQLite path, ``sqlite:///…`` or ``postgresql://…``), else ``$TASKPILOTS_DB``, else
+``$TASKPILOTS_POSTGRES_URL``, else ``.taskpilots/runs.db``. Commands that run a graph take
+``--graph module:attribute`` naming a factory that receives the checkpointer opened from
+``--db`` (``def make_graph(checkpointer): ...``); a compiled graph or a factory without
+arguments is accepted too and then runs on its own checkpointer.
+
+Example:
+    $ taskpilots threads --db runs.db
+    $ taskpilots decide ticket-T003 retry --graph myapp.agent:make_graph --db runs.db
+"""
+
+from __future__ import annotations
+
+import typer
+
+from taskpilots_graph.cli._actions import register as _register_actions
+from taskpilots_graph.cli._demo import register as _register_demo
+from taskpilots_graph.cli._drill import register as _register_drill
+from taskpilots_graph.cli._threads import register as _register_threads
+from taskpilots_graph.cli._web import register as _register_web
+from taskpilots_graph.cli._workers import register as _register_workers
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="taskpilots",
+    help="Operate taskpilots-graph agents: threads, takeovers, recovery metrics and drills.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+_register_threads(app)
+_register_actions(app)
+_register_demo(app)
+_register_drill(app)
+_register_workers(app)
+_register_web(app)
+
+
+def main() -> None:
+    """Entry point of the ``taskpilots`` script."""
+    app()

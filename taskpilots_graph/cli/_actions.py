@@ -1,0 +1,212 @@
+"""Commands that run a graph: ``resume``, ``decide`` and ``rewind``.
+
+The graph comes from ``--graph module:attribute``. The preferred form is a factory taking
+the checkpointer, so the graph runs on exactly the store opened from ``--db``::
+
+    def make_graph(checkpointer):
+        return tp.create_recovery_agent(model, tools, checkpointer=checkpointer)
+
+A compiled graph, or a factory without arguments, runs on its own checkpointer; ``--db``
+is then refused (it could not be honoured).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from taskpilots_graph.cli._common import (
+    DbOption,
+    JsonOption,
+    checked_db,
+    emit_json,
+    fail,
+    guarded,
+    parse_json_option,
+    stdout,
+    to_jsonable,
+)
+
+__all__ = ["GraphOption", "graph_on", "register"]
+
+GraphOption = Annotated[
+    str,
+    typer.Option(
+        "--graph",
+        "-g",
+        help="module:attribute of a factory taking the checkpointer (or a compiled graph).",
+    ),
+]
+ThreadArgument = Annotated[str, typer.Argument(help="The thread id.")]
+
+
+def importable_cwd() -> None:
+    """Let ``--graph`` name modules of the current folder, as ``python -m`` would."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+@contextmanager
+def graph_on(spec: str, db: str | None) -> Iterator[tuple[Any, Any]]:
+    """The graph named by ``spec`` and the checkpointer it runs on.
+
+    A factory is built by :func:`taskpilots_graph.config.open_graph` on the store of
+    ``--db`` (and its lease backend, so the runners hold the thread's lease), exactly as
+    ``taskpilots supervise`` builds it.
+
+    Raises:
+        ConfigurationError: A bad spec, or ``--db`` with a graph that has its own store.
+        StorageError: A missing SQLite file or an unreachable database.
+    """
+    from taskpilots_graph.config import Settings, open_graph
+    from taskpilots_graph.drills import load_graph
+    from taskpilots_graph.errors import ConfigurationError
+
+    importable_cwd()
+    ref = load_graph(spec)
+    if not ref.takes_checkpointer:
+        if db:
+            raise ConfigurationError(
+                f"{spec} brings its own checkpointer, so --db cannot apply; make it a "
+                "factory taking the checkpointer: def make_graph(checkpointer): ..."
+            )
+        graph = ref.build()
+        yield graph, graph.checkpointer
+        return
+    conn = checked_db(db)
+    with open_graph(spec, Settings.resolve(db=conn)) as graph:
+        if graph.checkpointer is None or isinstance(graph.checkpointer, bool):
+            raise ConfigurationError(f"the graph from {spec} has no checkpointer")
+        yield graph, graph.checkpointer
+
+
+def _last_text(result: Any) -> str | None:
+    messages = result.get("messages") if isinstance(result, dict) else None
+    if not messages:
+        return None
+    content = getattr(messages[-1], "content", None)
+    return content if isinstance(content, str) else None
+
+
+def _run(graph: Any, cp: Any, thread: str, call: Callable[[], Any], as_json: bool) -> None:
+    """Run ``call`` and report where the thread stands afterwards."""
+    from taskpilots_graph.errors import ToolWaiting
+    from taskpilots_graph.runner import pending_takeovers
+    from taskpilots_graph.threads import thread_info
+
+    retry_at: float | None = None
+    result: Any = None
+    try:
+        result = call()
+    except ToolWaiting as waiting:
+        retry_at = waiting.retry_at
+    info = to_jsonable(thread_info(cp, thread))
+    requests = pending_takeovers(cp, thread_ids=[thread])
+    last = _last_text(result)
+    if as_json:
+        emit_json(
+            {
+                "thread": info,
+                "last_message": last,
+                "retry_at": retry_at,
+                "takeover": to_jsonable(requests[0]) if requests else None,
+            }
+        )
+        return
+    out = stdout()
+    out.print(f"thread {thread}: [bold]{info.get('status')}[/bold]")
+    if last:
+        out.print(f"last message: {last}", markup=False)
+    if retry_at is not None:
+        out.print(f"waits for a tool; resume it after {retry_at:.0f} (unix time)", markup=False)
+    for request in requests:
+        out.print(str(request), markup=False)
+
+
+def resume(
+    thread: ThreadArgument,
+    graph: GraphOption,
+    db: DbOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Continue a thread from its latest checkpoint (completed steps are not run again)."""
+    from taskpilots_graph import runner
+    from taskpilots_graph.errors import PendingTakeover
+
+    with guarded(), graph_on(graph, db) as (compiled, cp):
+        try:
+            _run(compiled, cp, thread, lambda: runner.resume(compiled, thread), as_json)
+        except PendingTakeover:
+            fail(
+                f"thread {thread!r} waits on a person; answer it with "
+                f"'taskpilots decide {thread} ACTION' (see 'taskpilots show {thread}')"
+            )
+
+
+def decide(
+    thread: ThreadArgument,
+    action: Annotated[
+        str, typer.Argument(help="retry, skip, provide_result, edit_args or abandon.")
+    ],
+    graph: GraphOption,
+    args: Annotated[
+        str | None, typer.Option("--args", help="New arguments as a JSON object (edit_args).")
+    ] = None,
+    result: Annotated[
+        str | None,
+        typer.Option("--result", help="The tool's result as JSON (provide_result)."),
+    ] = None,
+    tool_call_id: Annotated[
+        str | None,
+        typer.Option("--tool-call-id", help="The waiting step, when several steps wait."),
+    ] = None,
+    by: Annotated[str | None, typer.Option("--by", help="Who decides (recorded).")] = None,
+    note: Annotated[str | None, typer.Option("--note", help="A note recorded with it.")] = None,
+    db: DbOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Answer a thread's takeover and continue it."""
+    from taskpilots_graph import runner
+    from taskpilots_graph.takeover import parse_decision
+
+    with guarded():
+        fields: dict[str, Any] = {"action": action}
+        parsed_args = parse_json_option("--args", args)
+        if parsed_args is not None:
+            fields["args"] = parsed_args
+        parsed_result = parse_json_option("--result", result)
+        if parsed_result is not None:
+            fields["result"] = parsed_result
+        for name, value in (("tool_call_id", tool_call_id), ("decided_by", by), ("note", note)):
+            if value is not None:
+                fields[name] = value
+        decision = parse_decision(fields)  # InvalidDecision before anything is opened
+        with graph_on(graph, db) as (compiled, cp):
+            _run(compiled, cp, thread, lambda: runner.decide(compiled, thread, decision), as_json)
+
+
+def rewind(
+    thread: ThreadArgument,
+    to: Annotated[str, typer.Option("--to", help="A business milestone name or a checkpoint id.")],
+    graph: GraphOption,
+    db: DbOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Go back to a milestone or checkpoint and continue from there."""
+    from taskpilots_graph import runner
+
+    with guarded(), graph_on(graph, db) as (compiled, cp):
+        _run(compiled, cp, thread, lambda: runner.rewind(compiled, thread, to=to), as_json)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``resume``, ``decide`` and ``rewind`` to ``app``."""
+    app.command("resume")(resume)
+    app.command("decide")(decide)
+    app.command("rewind")(rewind)

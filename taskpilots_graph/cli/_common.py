@@ -1,0 +1,253 @@
+"""What every command shares: the storage options, the error line, JSON output.
+
+Storage comes from ``--db`` (a SQLite path, ``sqlite:///…`` or ``postgresql://…``), else
+from the environment (``TASKPILOTS_DB``, then ``TASKPILOTS_POSTGRES_URL``), else the
+embedded default ``.taskpilots/runs.db``. A user mistake (unknown thread, bad JSON, an
+unreachable database, a bad ``module:attr``) prints one red line on stderr and exits with
+:data:`EXIT_ERROR`; it never shows a traceback. Heavy modules are imported inside the
+functions so that ``taskpilots --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
+from datetime import date, datetime
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from taskpilots_graph.checkpointers import RecoveryCheckpointer
+
+__all__ = [
+    "DB_ENV",
+    "DEFAULT_DB",
+    "EXIT_ERROR",
+    "DbOption",
+    "JsonOption",
+    "checked_db",
+    "emit_json",
+    "fail",
+    "guarded",
+    "open_store",
+    "parse_json_option",
+    "redact",
+    "resolve_db",
+    "stderr",
+    "stdout",
+    "to_jsonable",
+]
+
+DB_ENV = ("TASKPILOTS_DB", "TASKPILOTS_POSTGRES_URL")
+"""Environment variables read, in this order, when ``--db`` is not given."""
+
+DEFAULT_DB = ".taskpilots/runs.db"
+"""The embedded default database (the same default as the library's documentation)."""
+
+EXIT_ERROR = 1
+"""Exit code of a command stopped by a user mistake or an unreachable database."""
+
+PG_CONNECT_TIMEOUT_S = 5
+"""How long a PostgreSQL URL may take to answer before the command gives up (the pool's
+own wait is 30 s, far too long for a person at a terminal)."""
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        help="SQLite path, sqlite:///PATH or postgresql://URL "
+        f"(default: ${DB_ENV[0]}, else ${DB_ENV[1]}, else {DEFAULT_DB}).",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def stdout() -> Console:
+    """The console of normal output (plain text when not a terminal)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def stderr() -> Console:
+    """The console of error lines and progress bars."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` in red on one line of stderr and exit non-zero."""
+    from rich.text import Text
+
+    line = " ".join(str(message).split())  # one line, whatever the exception said
+    stderr().print(Text.assemble(("error: ", "bold red"), (line, "red")))
+    raise typer.Exit(EXIT_ERROR)
+
+
+@contextmanager
+def guarded() -> Iterator[None]:
+    """Turn the errors a user can cause into one line on stderr and a non-zero exit.
+
+    Library errors (:class:`~taskpilots_graph.errors.TaskPilotsError`) are user-facing by
+    design; SQLite errors mean a wrong or damaged file. Anything else is a bug and keeps
+    its traceback.
+    """
+    from taskpilots_graph.errors import TaskPilotsError
+
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except TaskPilotsError as exc:
+        fail(str(exc))
+    except sqlite3.Error as exc:
+        fail(f"database error: {exc}")
+
+
+def resolve_db(db: str | None) -> str:
+    """``--db``, else the first of :data:`DB_ENV` that is set, else :data:`DEFAULT_DB`."""
+    if db:
+        return db
+    for name in DB_ENV:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return DEFAULT_DB
+
+
+def redact(url: str) -> str:
+    """The URL without its password, fit for an error message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{parts.username}:***@{host}" if parts.username else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _probe_postgres(url: str) -> None:
+    from taskpilots_graph.errors import StorageError
+
+    try:
+        import psycopg
+    except ImportError as exc:
+        raise StorageError(
+            "PostgreSQL support is not installed; pip install 'taskpilots-graph[postgres]'"
+        ) from exc
+    try:
+        psycopg.connect(url, connect_timeout=PG_CONNECT_TIMEOUT_S).close()
+    except psycopg.Error as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StorageError(f"cannot reach database {redact(url)}: {reason}") from exc
+
+
+def checked_db(db: str | None, *, create: bool = False) -> str:
+    """The connection string the options point at, checked before anything is opened.
+
+    Args:
+        db: The ``--db`` value (``None``: environment, then the default).
+        create: Accept a missing SQLite file (otherwise a missing file is an error: a typo
+            must not silently show an empty store).
+
+    Raises:
+        ConfigurationError: A malformed connection string, or ``:memory:``.
+        StorageError: A missing SQLite file or an unreachable PostgreSQL server.
+    """
+    from taskpilots_graph.checkpointers.base import parse_conn_string
+    from taskpilots_graph.errors import ConfigurationError, StorageError
+
+    conn = resolve_db(db)
+    target = parse_conn_string(conn)
+    if target.backend == "memory" or target.address == ":memory:":
+        raise ConfigurationError(
+            "an in-memory database keeps no runs between commands; "
+            "pass a SQLite file or a PostgreSQL URL with --db"
+        )
+    if target.backend == "sqlite" and not create and not Path(target.address).is_file():
+        raise StorageError(
+            f"no database at {target.address!r}; pass --db or set {DB_ENV[0]} "
+            f"(a SQLite path or a PostgreSQL URL)"
+        )
+    if target.backend == "postgres":
+        _probe_postgres(conn)
+    return conn
+
+
+@contextmanager
+def open_store(db: str | None, *, create: bool = False) -> Iterator[RecoveryCheckpointer]:
+    """Open (and set up) the recovery checkpointer the options point at.
+
+    Raises:
+        ConfigurationError, StorageError: See :func:`checked_db`; also for a file that is
+            not a SQLite database.
+    """
+    from taskpilots_graph.checkpointers import RecoveryCheckpointer
+    from taskpilots_graph.errors import StorageError
+
+    conn = checked_db(db, create=create)
+    try:
+        with RecoveryCheckpointer.from_conn_string(conn) as cp:
+            cp.setup()
+            yield cp
+    except sqlite3.DatabaseError as exc:
+        raise StorageError(f"{conn!r} is not a usable SQLite database: {exc}") from exc
+
+
+def parse_json_option(name: str, text: str | None) -> Any:
+    """The JSON value of option ``name`` (``None`` when the option was not given).
+
+    Raises:
+        ConfigurationError: If ``text`` is not valid JSON, with the position of the problem.
+    """
+    from taskpilots_graph.errors import ConfigurationError
+
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(
+            f"{name} is not valid JSON ({exc.msg} at column {exc.colno}); "
+            "quote strings, e.g. --result '\"T-42\"'"
+        ) from exc
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON data for dataclasses, pydantic models, enums, dates and mappings."""
+    if hasattr(value, "model_dump") and callable(value.model_dump):
+        return to_jsonable(value.model_dump(mode="json"))
+    if hasattr(value, "as_dict") and callable(value.as_dict):
+        return to_jsonable(value.as_dict())
+    if is_dataclass(value) and not isinstance(value, type):
+        # Field by field, not ``asdict``: it cannot deep-copy read-only mappings.
+        return to_jsonable({f.name: getattr(value, f.name) for f in fields(value)})
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [to_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def emit_json(value: Any) -> None:
+    """Print ``value`` as indented JSON on stdout (no colours, no wrapping)."""
+    typer.echo(json.dumps(to_jsonable(value), indent=2, ensure_ascii=False))

@@ -1,0 +1,178 @@
+"""Configuration by connection strings and environment, and loading a graph by reference.
+
+* ``TASKPILOTS_POSTGRES_URL``: where runs are stored (checkpoints, events, ledger) and where
+  the queue of :mod:`taskpilots_graph.workers` lives.
+* ``TASKPILOTS_REDIS_URL``: where thread leases and business locks live.
+
+Neither is needed for the embedded default: one SQLite file (``.taskpilots/runs.db``) holds
+the runs *and* the leases. Without Redis, leases go to the runs database (PostgreSQL rows,
+or the SQLite file). Explicit arguments (CLI options) win over the environment.
+
+A graph is named by reference, ``"package.module:attribute"``. The attribute is either a
+compiled graph, or a factory ``build(*, checkpointer, leases) -> graph`` that the command
+line tools call with the checkpointer and lease backend they opened from the URLs above
+(a factory taking only ``checkpointer`` gets no leases; the supervisor then refuses it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from langgraph.pregel import Pregel
+
+from taskpilots_graph.checkpointers import AsyncRecoveryCheckpointer, RecoveryCheckpointer
+from taskpilots_graph.checkpointers.base import parse_conn_string, sqlite_path
+from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.locks import LeaseBackend, lease_backend_from_url
+
+__all__ = [
+    "DEFAULT_DB_URL",
+    "POSTGRES_URL_ENV",
+    "REDIS_URL_ENV",
+    "Settings",
+    "aopen_graph",
+    "load_graph_factory",
+    "open_graph",
+]
+
+POSTGRES_URL_ENV: Final = "TASKPILOTS_POSTGRES_URL"
+REDIS_URL_ENV: Final = "TASKPILOTS_REDIS_URL"
+DEFAULT_DB_URL: Final = "sqlite:///.taskpilots/runs.db"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Where runs and leases live.
+
+    Attributes:
+        db_url: The runs database: a PostgreSQL URL or ``sqlite:///path``.
+        lease_url: The lease backend: a Redis URL, or the runs database itself.
+    """
+
+    db_url: str
+    lease_url: str
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        db: str | None = None,
+        leases: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Settings:
+        """Settings from explicit URLs, else the environment, else the embedded default.
+
+        Raises:
+            ConfigurationError: For a URL of an unknown scheme.
+        """
+        env = os.environ if environ is None else environ
+        db_url = db or env.get(POSTGRES_URL_ENV) or DEFAULT_DB_URL
+        target = parse_conn_string(db_url)  # validates the scheme
+        if target.backend == "memory":
+            raise ConfigurationError(
+                "':memory:' cannot be shared between processes; use 'sqlite:///path' or "
+                f"a PostgreSQL URL (or set {POSTGRES_URL_ENV})"
+            )
+        if target.backend == "sqlite":
+            Path(sqlite_path(target.address)).parent.mkdir(parents=True, exist_ok=True)
+        return cls(db_url, leases or env.get(REDIS_URL_ENV) or db_url)
+
+    @property
+    def postgres(self) -> bool:
+        """Whether the runs database is PostgreSQL (the queue of the workers needs it)."""
+        return parse_conn_string(self.db_url).backend == "postgres"
+
+
+def load_graph_factory(ref: str) -> Any:
+    """The object ``"package.module:attribute"`` names (a graph or a graph factory).
+
+    Raises:
+        ConfigurationError: For a malformed reference, a module that cannot be imported or
+            a missing attribute.
+    """
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(f"a graph reference looks like 'package.module:attr', got {ref!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r} for graph {ref!r}: {exc}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigurationError(f"{module_name!r} has no attribute {attr!r}") from None
+    return target
+
+
+def _call_factory(factory: Any, checkpointer: Any, leases: LeaseBackend) -> Any:
+    """Call ``factory`` with what it asks for: ``checkpointer`` and / or ``leases``."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: offer both by keyword
+        return factory(checkpointer=checkpointer, leases=leases)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return factory(checkpointer=checkpointer, leases=leases)
+    offered = {"checkpointer": checkpointer, "leases": leases}
+    kwargs = {name: value for name, value in offered.items() if name in params}
+    if kwargs:
+        return factory(**kwargs)
+    # ``make_graph(cp)`` with a differently named parameter, or ``make_graph()``.
+    return factory(checkpointer) if params else factory()
+
+
+def _build(ref: str, checkpointer: Any, leases: LeaseBackend) -> Pregel[Any, Any]:
+    target = load_graph_factory(ref)
+    if isinstance(target, Pregel):
+        return target
+    if callable(target):
+        graph = _call_factory(target, checkpointer, leases)
+        if isinstance(graph, Pregel):
+            return graph
+        raise ConfigurationError(f"{ref!r} returned {type(graph).__name__}, not a compiled graph")
+    raise ConfigurationError(
+        f"{ref!r} is a {type(target).__name__}; name a compiled graph or a factory "
+        "build(*, checkpointer, leases) -> graph"
+    )
+
+
+@contextmanager
+def open_graph(ref: str, settings: Settings) -> Iterator[Pregel[Any, Any]]:
+    """Open the checkpointer and lease backend of ``settings`` and build the graph ``ref``.
+
+    Both are set up (tables created, idempotently) and closed on exit. A ``ref`` naming a
+    compiled graph is used as it is (it brought its own checkpointer).
+
+    Raises:
+        ConfigurationError: See :func:`load_graph_factory`; also for an async factory.
+    """
+    with (
+        RecoveryCheckpointer.from_conn_string(settings.db_url) as cp,
+        lease_backend_from_url(settings.lease_url) as leases,
+    ):
+        cp.setup()
+        leases.setup()
+        yield _build(ref, cp, leases)
+
+
+@asynccontextmanager
+async def aopen_graph(ref: str, settings: Settings) -> AsyncIterator[Pregel[Any, Any]]:
+    """Async form of :func:`open_graph` (an :class:`AsyncRecoveryCheckpointer`)."""
+    async with (
+        AsyncRecoveryCheckpointer.from_conn_string(settings.db_url) as cp,
+        lease_backend_from_url(settings.lease_url) as leases,
+    ):
+        await cp.setup()
+        await leases.asetup()
+        target = load_graph_factory(ref)
+        if inspect.iscoroutinefunction(target):
+            raise ConfigurationError(f"{ref!r} must build the graph synchronously")
+        yield _build(ref, cp, leases)

@@ -1,0 +1,776 @@
+"""Fault drills against any graph: the three drills of the source documents plus a crash.
+
+Before production, a graph should show that it recovers locally and never repeats an
+effect. :func:`run_drills` takes a graph given as ``"module:attribute"`` (a factory taking
+the checkpointer, see :func:`load_graph`), runs it once without faults (the *baseline*),
+then once per drill on a fresh thread with a fault injected into one of its tools:
+
+* **transient**: a tool fails twice with a timeout (a pure tool if there is one), then
+  works: only that step may run again;
+* **outage after effect**: the first side effect commits, then the next tool is down for
+  three calls: nothing already done may run again;
+* **long outage**: a tool stays down: the run must settle (degraded, waiting on a person
+  or failed) within a bounded number of resumes, never replay endlessly;
+* **crash**: a child process is SIGKILLed right after the first side effect ran, and a
+  fresh process resumes the thread by id: the effect must not run a second time.
+
+Faults come from :mod:`taskpilots_graph.testing` and a virtual clock (backoffs take no
+time). Every tool is wrapped to journal each completed execution to a SQLite file of its
+own, outside the agent's database and process, so a crash cannot hide a repeat. An
+execution of a side-effecting tool beyond what the baseline did with the same arguments is
+a **duplicate**; a re-execution of an ``idempotent`` tool under the same invocation key is
+reported apart (safe only if the service dedups by that key). Side-effecting tools are
+those declared with ``@side_effect``, or every tool if the graph declares none (a plain
+LangGraph graph), or the ``effect_tools`` given. Tools are found in the recovery executor
+and in LangGraph ``ToolNode`` nodes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, StructuredTool
+
+from taskpilots_graph.errors import ConfigurationError
+
+__all__ = [
+    "DEFAULT_INPUT",
+    "DrillResult",
+    "DrillsReport",
+    "GraphRef",
+    "load_graph",
+    "run_drills",
+]
+
+DEFAULT_INPUT: dict[str, Any] = {"messages": [{"role": "user", "content": "Run the drill task."}]}
+"""What each drill thread is started with, unless ``input`` is given."""
+
+MAX_ROUNDS = 12
+"""Resumes a drill allows before it calls the run an endless replay."""
+
+CHILD_TIMEOUT_S = 180.0
+RUN_CONFIG: RunnableConfig = {"recursion_limit": 200}
+Outcome = Literal["passed", "failed", "skipped"]
+
+
+# -- loading a graph ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphRef:
+    """A graph named ``module:attribute``, and how to build it on a checkpointer.
+
+    Attributes:
+        spec: The ``module:attribute`` it was loaded from.
+        target: The object found there.
+        takes_checkpointer: ``target`` is a factory called with the checkpointer (as
+            ``checkpointer=`` if it has such a parameter, else positionally); otherwise it
+            is a compiled graph, or a factory without arguments, that brings its own.
+    """
+
+    spec: str
+    target: Any
+    takes_checkpointer: bool
+
+    def build(self, checkpointer: Any = None) -> Any:
+        """The compiled graph; a factory gets ``checkpointer``, which the graph must use.
+
+        Raises:
+            ConfigurationError: The factory returned no compiled graph, or one that does
+                not run on the checkpointer it was given.
+        """
+        if not self.takes_checkpointer:
+            graph = self.target if _is_graph(self.target) else self.target()
+        else:
+            if checkpointer is None:
+                raise ConfigurationError(f"{self.spec} needs a checkpointer")
+            params = _parameters(self.target)
+            if params is None or "checkpointer" not in params:
+                graph = self.target(checkpointer)
+            elif "leases" in params:  # build(*, checkpointer, leases): drills run unleased
+                graph = self.target(checkpointer=checkpointer, leases=None)
+            else:
+                graph = self.target(checkpointer=checkpointer)
+        if not _is_graph(graph):
+            raise ConfigurationError(
+                f"{self.spec} gave {type(graph).__name__}, not a compiled graph; "
+                "return builder.compile(checkpointer=checkpointer)"
+            )
+        if self.takes_checkpointer and graph.checkpointer is not checkpointer:
+            raise ConfigurationError(
+                f"the graph from {self.spec} does not use the checkpointer it was given; "
+                "compile it with checkpointer=<the factory's argument>"
+            )
+        if graph.checkpointer is None or isinstance(graph.checkpointer, bool):
+            raise ConfigurationError(
+                f"the graph from {self.spec} has no checkpointer; make it a factory "
+                "taking the checkpointer: def make_graph(checkpointer): ..."
+            )
+        return graph
+
+
+def _is_graph(value: Any) -> bool:
+    from langgraph.pregel import Pregel
+
+    return isinstance(value, Pregel)
+
+
+def _parameters(func: Any) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_checkpointer(target: Any) -> bool:
+    if _is_graph(target):
+        return False
+    params = _parameters(target)
+    if params is None:
+        return True  # a builtin-like callable: give it what factories get
+    if "checkpointer" in params:
+        return True
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in params.values()
+    )
+
+
+def load_graph(spec: str) -> GraphRef:
+    """Import ``module:attribute`` (dotted attributes allowed) as a :class:`GraphRef`.
+
+    The attribute may be a compiled graph, a factory without arguments, or (preferred, the
+    only form the drills and ``--db`` can use) a factory taking the checkpointer::
+
+        def make_graph(checkpointer):
+            return tp.create_recovery_agent(model, tools, checkpointer=checkpointer)
+
+    Raises:
+        ConfigurationError: The spec is malformed, the module cannot be imported, the
+            attribute is missing, or it is neither a graph nor callable.
+    """
+    from taskpilots_graph.config import load_graph_factory
+
+    target = load_graph_factory(spec)
+    if not _is_graph(target) and not callable(target):
+        raise ConfigurationError(
+            f"{spec} is a {type(target).__name__}; give a compiled graph or a factory "
+            "taking the checkpointer"
+        )
+    if hasattr(target, "compile") and not _is_graph(target):
+        raise ConfigurationError(f"{spec} is an uncompiled StateGraph; compile it in a factory")
+    return GraphRef(spec=spec, target=target, takes_checkpointer=_takes_checkpointer(target))
+
+
+# -- the execution journal ---------------------------------------------------------------------
+
+
+class Journal:
+    """Completed tool executions, in a SQLite file that survives the process that ran them."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        with closing(self._connect()) as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS executions (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "thread_id TEXT NOT NULL, tool TEXT NOT NULL, args TEXT NOT NULL, key TEXT)"
+            )
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
+
+    def record(self, thread_id: str, tool: str, args: dict[str, Any], key: str | None) -> None:
+        """Durably note one completed execution (autocommit: done before a SIGKILL)."""
+        with closing(self._connect()) as conn:
+            conn.execute(
+                "INSERT INTO executions (thread_id, tool, args, key) VALUES (?, ?, ?, ?)",
+                (thread_id, tool, _canonical(args), key),
+            )
+
+    def executions(self, thread_id: str) -> list[tuple[str, str, str | None]]:
+        """``(tool, canonical args, key)`` of the thread's executions, in order."""
+        with closing(self._connect()) as conn:
+            rows = conn.execute(
+                "SELECT tool, args, key FROM executions WHERE thread_id = ? ORDER BY seq",
+                (thread_id,),
+            ).fetchall()
+        return [(str(t), str(a), k) for t, a, k in rows]
+
+
+def _canonical(args: Any) -> str:
+    return json.dumps(args, sort_keys=True, default=str, separators=(",", ":"))
+
+
+# -- instrumenting a graph's tools -------------------------------------------------------------
+
+Wrap = Callable[[BaseTool], Any]  # a tool -> its testing.FaultyTool
+
+
+def _tool_tables(graph: Any) -> list[dict[str, BaseTool]]:
+    """The name → tool tables the graph's nodes look tools up in at call time."""
+    from langgraph.prebuilt import ToolNode
+
+    from taskpilots_graph.agent import find_executor
+
+    tables: list[dict[str, BaseTool]] = []
+    executor = find_executor(graph)
+    if executor is not None:
+        tables.append(executor.tools)
+    for spec in getattr(getattr(graph, "builder", None), "nodes", {}).values():
+        if isinstance(spec.runnable, ToolNode):
+            tables.append(spec.runnable.tools_by_name)
+    return tables
+
+
+def graph_tools(graph: Any) -> dict[str, BaseTool]:
+    """Every tool the drills can reach in ``graph``, by name."""
+    return {name: tool for table in _tool_tables(graph) for name, tool in table.items()}
+
+
+def _recording(tool: BaseTool, on_done: Callable[[str, dict[str, Any], str | None], None]) -> Any:
+    """``tool`` with every completed execution reported to ``on_done`` (declaration kept)."""
+    from taskpilots_graph.tools import SideEffectTool, current_invocation
+
+    inner = tool.tool if isinstance(tool, SideEffectTool) else tool
+
+    def key() -> str | None:
+        try:
+            return current_invocation().key
+        except ConfigurationError:
+            return None  # not run by the recovery executor (a plain ToolNode)
+
+    def run(config: RunnableConfig, **kwargs: Any) -> Any:
+        result = inner.invoke(kwargs, config=config)
+        on_done(inner.name, kwargs, key())
+        return result
+
+    async def arun(config: RunnableConfig, **kwargs: Any) -> Any:
+        result = await inner.ainvoke(kwargs, config=config)
+        on_done(inner.name, kwargs, key())
+        return result
+
+    wrapped: BaseTool = StructuredTool(
+        name=inner.name,
+        description=inner.description,
+        args_schema=inner.args_schema or inner.get_input_schema(),
+        func=run,
+        coroutine=arun,
+    )
+    if isinstance(tool, SideEffectTool):
+        wrapped = SideEffectTool(
+            name=tool.name,
+            description=tool.description,
+            args_schema=tool.args_schema,
+            tool=wrapped,
+            spec=tool.spec,
+        )
+    return wrapped
+
+
+@contextmanager
+def _instrumented(
+    graph: Any,
+    journal: Journal,
+    thread_id: str,
+    *,
+    fault: tuple[str, Wrap] | None = None,
+    kill_after: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Swap the graph's tools for journaling (and one faulty) twins; restore them after.
+
+    Yields the fault injector (a :class:`~taskpilots_graph.testing.FaultyTool`) by name.
+    """
+
+    def on_done(tool: str, args: dict[str, Any], key: str | None) -> None:
+        journal.record(thread_id, tool, args, key)
+        if tool == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # the crash drill: die right after the effect
+
+    tables = _tool_tables(graph)
+    saved = [dict(t) for t in tables]
+    faults: dict[str, Any] = {}
+    try:
+        for table in tables:
+            for name, tool in list(table.items()):
+                twin = _recording(tool, on_done)
+                if fault is not None and fault[0] == name:
+                    faulty = faults.get(name) or fault[1](twin)
+                    faults[name] = faulty
+                    twin = faulty.tool  # the same injector behind every table
+                table[name] = twin
+        yield faults
+    finally:
+        for table, original in zip(tables, saved, strict=True):
+            table.clear()
+            table.update(original)
+
+
+# -- driving a thread --------------------------------------------------------------------------
+
+
+def _settled(graph: Any, thread_id: str) -> str:
+    snapshot = graph.get_state({"configurable": {"thread_id": thread_id}})
+    if snapshot.interrupts:
+        return "awaiting_human"
+    flow = snapshot.values.get("flow") if isinstance(snapshot.values, dict) else None
+    if isinstance(flow, dict) and flow.get("stage"):
+        return str(flow["stage"])
+    return "running" if (snapshot.next or snapshot.tasks) else "closed"
+
+
+@dataclass
+class _Drive:
+    settled: str
+    resumes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _drive(graph: Any, thread_id: str, input_: Any, clock: Any, *, start: bool) -> _Drive:
+    """Run (or resume) a thread as an operator would until it settles or looks endless.
+
+    A ``ToolWaiting`` run is resumed once its ``retry_at`` has passed on the virtual clock;
+    a run that raised is resumed by id, as after any failure; a takeover stops the drive.
+    """
+    from taskpilots_graph import runner
+    from taskpilots_graph.errors import PendingTakeover, ThreadNotFound, ToolWaiting
+
+    drive = _Drive(settled="running")
+    for round_ in range(MAX_ROUNDS + 1):
+        try:
+            if start and round_ == 0:
+                runner.run(graph, thread_id, input_, config=RUN_CONFIG)
+            else:
+                drive.resumes += 1
+                runner.resume(graph, thread_id, config=RUN_CONFIG)
+        except ToolWaiting as waiting:
+            clock.advance(max(0.0, waiting.retry_at - clock.now()))
+            continue
+        except PendingTakeover:
+            drive.settled = "awaiting_human"
+            return drive
+        except ThreadNotFound:
+            drive.settled = "lost"
+            drive.errors.append("no checkpoint to resume: the run would restart from its entry")
+            return drive
+        except ConfigurationError:
+            raise  # the graph is set up wrongly: no drill can say anything about it
+        except Exception as exc:  # the user's graph failed: resume it, as an operator would
+            drive.errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        drive.settled = _settled(graph, thread_id)
+        if drive.settled != "running":
+            return drive
+    drive.settled = "endless"
+    return drive
+
+
+# -- the verdicts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrillResult:
+    """The verdict of one drill.
+
+    Attributes:
+        name: ``transient``, ``outage_after_effect``, ``long_outage`` or ``crash``.
+        outcome: ``passed``, ``failed`` or ``skipped`` (the baseline gave it nothing to
+            act on, e.g. no tool was called).
+        detail: One line saying what happened.
+        thread_id: The drill's thread (look at it with ``taskpilots show``).
+        tool: The tool the fault was injected into.
+        settled: Where the run ended: ``closed``, ``awaiting_human``, ``failed``,
+            ``endless`` (still not settled after the allowed resumes), ``lost`` ...
+        duplicates: Side-effect executions beyond the baseline's.
+        keyed_reruns: Re-executions of idempotent tools under the same invocation key.
+    """
+
+    name: str
+    outcome: Outcome
+    detail: str
+    thread_id: str
+    tool: str | None = None
+    settled: str | None = None
+    duplicates: int = 0
+    keyed_reruns: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "outcome": self.outcome,
+            "detail": self.detail,
+            "thread_id": self.thread_id,
+            "tool": self.tool,
+            "settled": self.settled,
+            "duplicates": self.duplicates,
+            "keyed_reruns": self.keyed_reruns,
+        }
+
+
+@dataclass(frozen=True)
+class DrillsReport:
+    """Every drill's verdict, and the recovery metrics of the drill threads.
+
+    Attributes:
+        graph: The ``module:attribute`` drilled.
+        baseline: The tools the fault-free run executed, in order.
+        results: One :class:`DrillResult` per drill.
+        metrics: ``recovery_metrics(...).as_dict()`` over the drill threads.
+        database: Where the drill runs are stored (kept only with ``workdir=``).
+    """
+
+    graph: str
+    baseline: tuple[str, ...]
+    results: tuple[DrillResult, ...]
+    metrics: dict[str, Any]
+    database: str
+
+    @property
+    def passed(self) -> bool:
+        """No drill failed."""
+        return all(r.outcome != "failed" for r in self.results)
+
+    @property
+    def duplicates(self) -> int:
+        """Duplicate side effects over all drills."""
+        return sum(r.duplicates for r in self.results)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "graph": self.graph,
+            "passed": self.passed,
+            "duplicates": self.duplicates,
+            "baseline": list(self.baseline),
+            "drills": [r.as_dict() for r in self.results],
+            "metrics": self.metrics,
+            "database": self.database,
+        }
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    calls: tuple[tuple[str, str, str | None], ...]
+    effects: frozenset[str]
+    idempotent: frozenset[str]
+
+    def tools(self) -> list[str]:
+        return [t for t, _, _ in self.calls]
+
+    def count(self) -> Counter[tuple[str, str]]:
+        return Counter((t, a) for t, a, _ in self.calls)
+
+
+def _repeats(base: _Baseline, runs: list[tuple[str, str, str | None]]) -> tuple[int, int, str]:
+    """(duplicates, keyed re-runs, description) of a drill thread's effect executions."""
+    expected = base.count()
+    seen: Counter[tuple[str, str]] = Counter()
+    keys_seen: set[tuple[str, str | None]] = set()
+    duplicates = keyed = 0
+    named: list[str] = []
+    for tool, args, key in runs:
+        if tool not in base.effects:
+            continue
+        seen[(tool, args)] += 1
+        if seen[(tool, args)] <= expected[(tool, args)]:
+            keys_seen.add((tool, key))
+            continue
+        if tool in base.idempotent and key is not None and (tool, key) in keys_seen:
+            keyed += 1  # the same idempotency key: the service is trusted to dedup it
+            continue
+        duplicates += 1
+        named.append(f"{tool}{args}")
+    text = f"repeated {', '.join(named)}" if named else ""
+    return duplicates, keyed, text
+
+
+def _verdict(
+    name: str,
+    thread_id: str,
+    tool: str | None,
+    drive: _Drive,
+    base: _Baseline,
+    runs: list[tuple[str, str, str | None]],
+    *,
+    ok_states: tuple[str, ...],
+    extra: str = "",
+) -> DrillResult:
+    duplicates, keyed, repeated = _repeats(base, runs)
+    problems = [p for p in (repeated, extra) if p]
+    if drive.settled not in ok_states:
+        last = f" (last error: {drive.errors[-1]})" if drive.errors else ""
+        problems.append(f"ended {drive.settled} after {drive.resumes} resume(s){last}")
+    outcome: Outcome = "failed" if problems else "passed"
+    detail = "; ".join(problems) or (
+        f"ended {drive.settled} after {drive.resumes} resume(s), nothing repeated"
+        + (f", {keyed} keyed re-run(s) left to the service" if keyed else "")
+    )
+    return DrillResult(name, outcome, detail, thread_id, tool, drive.settled, duplicates, keyed)
+
+
+# -- the drills --------------------------------------------------------------------------------
+
+
+def _baseline(
+    ref: GraphRef, cp: Any, journal: Journal, input_: Any, effect_tools: Any, run: str
+) -> _Baseline:
+    from taskpilots_graph import testing
+    from taskpilots_graph.tools import spec_of
+
+    thread_id = f"drill-{run}-baseline"
+    graph = ref.build(cp)
+    tools = graph_tools(graph)
+    if effect_tools:
+        unknown = sorted(set(effect_tools) - set(tools))
+        if unknown:
+            raise ConfigurationError(f"the graph has no tool(s) {', '.join(unknown)}")
+        effects = frozenset(effect_tools)
+    else:
+        declared = {n for n, t in tools.items() if spec_of(t) is not None}
+        effects = frozenset(declared or tools)
+    idempotent = frozenset(n for n, t in tools.items() if (s := spec_of(t)) and s.idempotent)
+    with _instrumented(graph, journal, thread_id), testing.fake_clock() as clock:
+        drive = _drive(graph, thread_id, input_, clock, start=True)
+    if drive.settled != "closed" or drive.errors:
+        why = drive.errors[-1] if drive.errors else f"it ended {drive.settled}"
+        raise ConfigurationError(f"the graph does not finish cleanly without faults: {why}")
+    return _Baseline(tuple(journal.executions(thread_id)), effects, idempotent)
+
+
+def _fault_drill(
+    name: str,
+    ref: GraphRef,
+    cp: Any,
+    journal: Journal,
+    input_: Any,
+    base: _Baseline,
+    tool: str | None,
+    fault: Wrap,
+    ok_states: tuple[str, ...],
+    run: str,
+) -> DrillResult:
+    from taskpilots_graph import testing
+
+    thread_id = f"drill-{run}-{name.replace('_', '-')}"
+    if tool is None:
+        return DrillResult(name, "skipped", "the baseline run gave it no tool to act on", thread_id)
+    graph = ref.build(cp)
+    with (
+        _instrumented(graph, journal, thread_id, fault=(tool, fault)) as faults,
+        testing.fake_clock() as clock,
+    ):
+        drive = _drive(graph, thread_id, input_, clock, start=True)
+    runs = journal.executions(thread_id)
+    extra = ""
+    if name == "transient":
+        # Only the failed step may run again: every other execution matches the baseline.
+        others = Counter((t, a) for t, a, _ in runs if t != tool)
+        expected = Counter({k: v for k, v in base.count().items() if k[0] != tool})
+        if drive.settled == "closed" and others != expected:
+            extra = "other steps ran again besides the failed one"
+        if drive.settled == "closed" and faults[tool].calls < 3:
+            extra = extra or f"{tool} was not retried"
+    return _verdict(name, thread_id, tool, drive, base, runs, ok_states=ok_states, extra=extra)
+
+
+def _first(base: _Baseline, pure_first: bool) -> str | None:
+    tools = base.tools()
+    if pure_first:
+        pure = [t for t in tools if t not in base.effects]
+        if pure:
+            return pure[0]
+    return tools[0] if tools else None
+
+
+def _after_first_effect(base: _Baseline) -> str | None:
+    tools = base.tools()
+    for i, tool in enumerate(tools):
+        if tool in base.effects:
+            return tools[i + 1] if i + 1 < len(tools) else None
+    return None
+
+
+def _child(payload: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # The child imports the user's module exactly as this process can.
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    return subprocess.run(
+        [sys.executable, "-m", "taskpilots_graph.drills", json.dumps(payload)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+
+
+def _crash_drill(
+    ref: GraphRef, conn: str, journal: Journal, input_: Any, base: _Baseline, run: str
+) -> DrillResult:
+    thread_id = f"drill-{run}-crash"
+    target = next((t for t in base.tools() if t in base.effects), None)
+    if target is None:
+        return DrillResult("crash", "skipped", "the baseline ran no side effect", thread_id)
+    payload = {"spec": ref.spec, "conn": conn, "journal": journal.path, "thread_id": thread_id}
+    first = _child({**payload, "input": input_, "start": True, "kill_after": target})
+    if first.returncode != -signal.SIGKILL:
+        tail = (first.stderr.strip().splitlines() or ["no output"])[-1]
+        return DrillResult(
+            "crash", "failed", f"the run did not reach {target} again ({tail})", thread_id, target
+        )
+    second = _child({**payload, "input": input_, "start": False, "kill_after": None})
+    if second.returncode != 0:
+        tail = (second.stderr.strip().splitlines() or ["no output"])[-1]
+        drive = _Drive(settled="error", errors=[tail])
+    else:
+        drive = _Drive(**json.loads(second.stdout.strip().splitlines()[-1]))
+    runs = journal.executions(thread_id)
+    return _verdict(
+        "crash", thread_id, target, drive, base, runs, ok_states=("closed", "awaiting_human")
+    )
+
+
+def run_drills(
+    graph: str,
+    *,
+    input: Any = None,
+    workdir: str | os.PathLike[str] | None = None,
+    effect_tools: Sequence[str] | None = None,
+    crash: bool = True,
+    on_drill: Callable[[str], None] | None = None,
+) -> DrillsReport:
+    """Run the fault drills and the crash drill against ``graph``; report each verdict.
+
+    Example:
+        >>> report = run_drills("myapp.agent:make_graph")  # doctest: +SKIP
+        >>> report.passed, report.duplicates  # doctest: +SKIP
+        (True, 0)
+
+    Args:
+        graph: ``module:attribute`` of a factory taking the checkpointer.
+        input: What each drill thread starts with (default :data:`DEFAULT_INPUT`).
+        workdir: Keep the drill databases there (default: a temporary folder, removed).
+        effect_tools: Count these tools as side effects (default: the ``@side_effect``
+            tools, or every tool when the graph declares none).
+        crash: Also run the crash drill (two child processes).
+        on_drill: Called with each drill's name before it starts (progress display).
+
+    Raises:
+        ConfigurationError: The graph cannot be loaded, is not a factory taking the
+            checkpointer, or does not finish cleanly without faults.
+    """
+    from taskpilots_graph import testing
+    from taskpilots_graph.checkpointers import RecoveryCheckpointer
+
+    ref = load_graph(graph)
+    if not ref.takes_checkpointer:
+        raise ConfigurationError(
+            f"drills run on a database of their own: make {graph} a factory taking the "
+            "checkpointer, e.g. def make_graph(checkpointer): ..."
+        )
+    input_ = DEFAULT_INPUT if input is None else input
+    # Thread ids of their own per call: a kept workdir can be drilled again.
+    run = uuid.uuid4().hex[:8]
+    notify = on_drill or (lambda _name: None)
+    with tempfile.TemporaryDirectory(prefix="taskpilots-drill-") as tmp:
+        folder = Path(workdir) if workdir is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        conn = f"sqlite:///{(folder / 'drill-runs.db').resolve()}"
+        journal = Journal(folder / "drill-executions.db")
+        with RecoveryCheckpointer.from_conn_string(conn) as cp:
+            cp.setup()
+            notify("baseline")
+            base = _baseline(ref, cp, journal, input_, effect_tools, run)
+            results = []
+            plan: list[tuple[str, str | None, Wrap, tuple[str, ...]]] = [
+                (
+                    "transient",
+                    _first(base, pure_first=True),
+                    lambda t: testing.failing(t, times=2, exc=lambda: TimeoutError("drill")),
+                    ("closed",),
+                ),
+                (
+                    "outage_after_effect",
+                    _after_first_effect(base),
+                    lambda t: testing.failing(
+                        t, times=3, exc=lambda: ConnectionRefusedError("drill: down")
+                    ),
+                    ("closed", "awaiting_human", "failed"),
+                ),
+                (
+                    "long_outage",
+                    _first(base, pure_first=True),
+                    lambda t: testing.down_for(
+                        t, 10.0**9, exc=lambda: ConnectionRefusedError("drill: down")
+                    ),
+                    ("closed", "awaiting_human", "failed"),
+                ),
+            ]
+            for name, tool, fault, ok in plan:
+                notify(name)
+                results.append(
+                    _fault_drill(name, ref, cp, journal, input_, base, tool, fault, ok, run)
+                )
+            if crash:
+                notify("crash")
+                results.append(_crash_drill(ref, conn, journal, input_, base, run))
+            threads = [f"drill-{run}-baseline", *(r.thread_id for r in results)]
+            metrics = _metrics(cp, threads)
+    return DrillsReport(
+        graph=graph,
+        baseline=tuple(base.tools()),
+        results=tuple(results),
+        metrics=metrics,
+        database=conn if workdir is not None else "(temporary)",
+    )
+
+
+def _metrics(cp: Any, thread_ids: list[str]) -> dict[str, Any]:
+    from taskpilots_graph.metrics import recovery_metrics
+
+    data: dict[str, Any] = recovery_metrics(cp, thread_ids=thread_ids).as_dict()
+    return data
+
+
+# -- the crash drill's child process -----------------------------------------------------------
+
+
+def _child_main(argv: list[str]) -> int:
+    """One life of the crash drill's worker: start (and die) or resume the thread."""
+    from taskpilots_graph import testing
+    from taskpilots_graph.checkpointers import RecoveryCheckpointer
+
+    payload = json.loads(argv[0])
+    ref = load_graph(payload["spec"])
+    journal = Journal(payload["journal"])
+    thread_id = payload["thread_id"]
+    with RecoveryCheckpointer.from_conn_string(payload["conn"]) as cp:
+        graph = ref.build(cp)
+        with (
+            _instrumented(graph, journal, thread_id, kill_after=payload["kill_after"]),
+            testing.fake_clock() as clock,
+        ):
+            drive = _drive(graph, thread_id, payload["input"], clock, start=payload["start"])
+    print(json.dumps({"settled": drive.settled, "resumes": drive.resumes, "errors": drive.errors}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

@@ -1,0 +1,750 @@
+"""The supervisor: finds threads whose worker died or whose wait is over, and resumes each once.
+
+A scan looks at every thread of the graph's checkpointer:
+
+* **health check**: a thread with work left whose lease (``thread:<id>``) nobody holds any
+  more lost its worker: the heartbeat stopped (SIGKILL, a lost machine) and the TTL ran out,
+  or the run was torn down mid-step and dropped the lease. A held lease means a live worker.
+* **recovery scheduling**: such *orphaned* threads, and threads parked in ``waiting_tool``
+  whose ``retry_at`` has passed, are resumed (in this process, or handed to a queue with
+  ``dispatch=``, see :mod:`taskpilots_graph.workers`). A thread waiting on a person is left to
+  the person.
+* **failure attribution**: every resume records *why* (:class:`Attribution`: thread, node,
+  step, tool, agent, failure kind) in the ``run_resumed`` event it appends; a thread whose
+  recovery keeps failing is given up on with a ``stuck_detected`` event naming the same.
+
+Several supervisors may run at once: a resume happens under the thread's lease and
+re-checks, under it, that the thread still needs one, so each thread is resumed by exactly
+one of them; the others see ``ThreadBusy`` or nothing left to do.
+
+With a supervisor running, start every run through the lease-holding runners
+(``tp.run`` / ``tp.resume`` / ``tp.decide``, or the queue of :mod:`taskpilots_graph.workers`):
+a bare ``graph.invoke`` holds no lease, so its thread looks orphaned while it runs.
+
+Example:
+    >>> tp.supervise(graph, interval=5.0)             # forever, in this process
+    ... # doctest: +SKIP
+    >>> report = tp.supervise(graph, once=True)       # one scan, e.g. from cron
+    ... # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Final, Literal
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.pregel import Pregel
+from langgraph.types import StateSnapshot
+
+from taskpilots_graph import _clock
+from taskpilots_graph._thread_index import athread_index, thread_index
+from taskpilots_graph.agent import find_executor
+from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.config import Settings, open_graph
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    LockBackendUnavailable,
+    StorageError,
+    ThreadBusy,
+    ToolWaiting,
+)
+from taskpilots_graph.events import EventKind
+from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.nodes.executor import pending_calls
+from taskpilots_graph.runner import _aleased, _config, _leased, _mark_resumed
+
+__all__ = [
+    "Attribution",
+    "ScanReport",
+    "Supervisor",
+    "ThreadHealth",
+    "ThreadStatus",
+    "arecover",
+    "asupervise",
+    "needs_recovery",
+    "recover",
+    "serve_supervisor",
+    "supervise",
+]
+
+_log: Final = logging.getLogger("taskpilots_graph.supervisor")
+
+Cause = Literal["worker_lost", "retry_due"]
+Dispatch = Callable[[str, "Attribution"], Any]
+"""``dispatch(thread_id, attribution)``: hand a resume to a queue instead of running it here."""
+
+
+class ThreadStatus(StrEnum):
+    """What a scan found a thread doing."""
+
+    RUNNING = "running"  # a live worker holds its lease
+    IDLE = "idle"  # nothing left to do (finished, failed or closed)
+    TAKEOVER = "takeover"  # waits on a person's decision
+    WAITING = "waiting"  # parked in waiting_tool until retry_at
+    DUE = "due"  # parked in waiting_tool, and retry_at has passed
+    ORPHANED = "orphaned"  # work left and nobody holds its lease: its worker is gone
+    FAILING = "failing"  # its recovery failed too often at this checkpoint; given up on
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """Which failure a recovery answers: where the thread stood and what went wrong.
+
+    Attributes:
+        thread_id: The thread.
+        cause: ``"worker_lost"`` (work left, lease gone) or ``"retry_due"`` (a waited-out
+            tool failure is due again).
+        agent: The graph's name.
+        node: The node that was to run next (``act``, ``think``, ``wait``, ...).
+        step: The tool call id of the step concerned, if a tool step.
+        tool: The tool of that step (the one in use, after a degradation).
+        failure: ``"worker_lost"``, or the step's failure kind (``FailureKind`` value).
+        checkpoint_id: The checkpoint the thread stood at.
+    """
+
+    thread_id: str
+    cause: Cause
+    agent: str
+    node: str | None = None
+    step: str | None = None
+    tool: str | None = None
+    failure: str = "worker_lost"
+    checkpoint_id: str | None = None
+
+    def payload(self) -> dict[str, Any]:
+        """JSON form, as recorded in events and passed to queue jobs."""
+        return asdict(self)
+
+    @classmethod
+    def from_payload(cls, data: Mapping[str, Any]) -> Attribution:
+        """Rebuild from :meth:`payload` (e.g. in a queue worker).
+
+        Raises:
+            ConfigurationError: If ``data`` is not such a payload.
+        """
+        try:
+            return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
+        except TypeError as exc:
+            raise ConfigurationError(f"not an attribution payload: {dict(data)!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadHealth:
+    """One thread as a scan saw it.
+
+    Attributes:
+        thread_id: The thread.
+        status: What it is doing.
+        checkpoint_id: Its latest checkpoint.
+        holder: Owner token of its lease (``host:pid:random``) while ``RUNNING``.
+        retry_at: When a ``WAITING`` / ``DUE`` thread's tool is retried (epoch seconds).
+        attribution: For ``ORPHANED`` / ``DUE`` / ``WAITING`` / ``FAILING`` threads.
+        error: Why recovery kept failing (``FAILING``).
+    """
+
+    thread_id: str
+    status: ThreadStatus
+    checkpoint_id: str | None = None
+    holder: str | None = None
+    retry_at: float | None = None
+    attribution: Attribution | None = None
+    error: str | None = None
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether the supervisor resumes it now."""
+        return self.status in (ThreadStatus.ORPHANED, ThreadStatus.DUE)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanReport:
+    """What one supervisor tick found and did.
+
+    Attributes:
+        threads: Every thread's health.
+        resumed: Threads this supervisor resumed (a run happened).
+        dispatched: Threads handed to ``dispatch`` (a queue).
+        busy: Threads another runner took first (``ThreadBusy``).
+        failed: ``(thread_id, error)`` of resumes that raised.
+    """
+
+    threads: tuple[ThreadHealth, ...] = ()
+    resumed: tuple[str, ...] = ()
+    dispatched: tuple[str, ...] = ()
+    busy: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()
+
+    def count(self, status: ThreadStatus) -> int:
+        """How many threads have ``status``."""
+        return sum(1 for t in self.threads if t.status is status)
+
+    def summary(self) -> str:
+        """One line for logs: counts by status and what was done."""
+        counts = ", ".join(f"{s.value} {self.count(s)}" for s in ThreadStatus if self.count(s))
+        return (
+            f"{len(self.threads)} threads ({counts or 'none'}); resumed {len(self.resumed)}, "
+            f"dispatched {len(self.dispatched)}, busy {len(self.busy)}, failed {len(self.failed)}"
+        )
+
+
+# --- pure decisions ---------------------------------------------------------------------------
+
+
+def _checkpoint_id(snapshot: StateSnapshot) -> str | None:
+    value = (snapshot.config or {}).get("configurable", {}).get("checkpoint_id")
+    return str(value) if value is not None else None
+
+
+def _waiting(snapshot: StateSnapshot) -> tuple[float | None, Mapping[str, Any]]:
+    """(retry_at, the step waited for) if the thread is parked in ``waiting_tool``."""
+    values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
+    flow = values.get("flow") or {}
+    if flow.get("stage") != "waiting_tool":
+        return None, {}
+    steps = [s for s in (values.get("steps") or {}).values() if s.get("status") == "waiting_tool"]
+    due = [s for s in steps if s.get("retry_at")]
+    step = min(due, key=lambda s: float(s["retry_at"])) if due else {}
+    retry_at = flow.get("retry_at") or (step.get("retry_at") if step else None)
+    return (float(retry_at) if retry_at else None), step
+
+
+def _has_work(snapshot: StateSnapshot) -> bool:
+    # ``next`` alone is not enough (see runner._has_work): after a crash between a task's
+    # writes and the next checkpoint ``next`` can be empty while ``tasks`` holds the task.
+    return bool(snapshot.next or snapshot.tasks)
+
+
+def needs_recovery(snapshot: StateSnapshot, now: float) -> bool:
+    """Whether an unleased thread in this state should be resumed at ``now``.
+
+    It should when work is left, no person is asked anything, and it is not parked in
+    ``waiting_tool`` with a ``retry_at`` still ahead.
+    """
+    if snapshot.interrupts or not _has_work(snapshot):
+        return False
+    retry_at, _ = _waiting(snapshot)
+    return retry_at is None or retry_at <= now
+
+
+def _attribute(thread_id: str, snapshot: StateSnapshot, agent: str, cause: Cause) -> Attribution:
+    node = (
+        snapshot.next[0] if snapshot.next else (snapshot.tasks[0].name if snapshot.tasks else None)
+    )
+    checkpoint_id = _checkpoint_id(snapshot)
+    if cause == "retry_due":
+        _, step = _waiting(snapshot)
+        failure = (step.get("failure") or {}).get("kind") or "unknown"
+        return Attribution(
+            thread_id,
+            cause,
+            agent,
+            node,
+            step.get("tool_call_id"),
+            step.get("using") or step.get("tool"),
+            str(failure),
+            checkpoint_id,
+        )
+    values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
+    _, calls = pending_calls(values.get("messages") or [])
+    tool_step = calls[0] if calls and node in ("act", "recover", "wait") else None
+    return Attribution(
+        thread_id,
+        cause,
+        agent,
+        node,
+        tool_step["id"] if tool_step else None,
+        tool_step["name"] if tool_step else None,
+        "worker_lost",
+        checkpoint_id,
+    )
+
+
+def classify(thread_id: str, snapshot: StateSnapshot, *, agent: str, now: float) -> ThreadHealth:
+    """The health of a thread nobody holds the lease of (pure; the scan checks the lease)."""
+    checkpoint_id = _checkpoint_id(snapshot)
+    if snapshot.interrupts:
+        return ThreadHealth(thread_id, ThreadStatus.TAKEOVER, checkpoint_id)
+    if not _has_work(snapshot):
+        return ThreadHealth(thread_id, ThreadStatus.IDLE, checkpoint_id)
+    retry_at, _ = _waiting(snapshot)
+    if retry_at is not None:
+        status = ThreadStatus.DUE if retry_at <= now else ThreadStatus.WAITING
+        why = _attribute(thread_id, snapshot, agent, "retry_due")
+        return ThreadHealth(thread_id, status, checkpoint_id, retry_at=retry_at, attribution=why)
+    why = _attribute(thread_id, snapshot, agent, "worker_lost")
+    return ThreadHealth(thread_id, ThreadStatus.ORPHANED, checkpoint_id, attribution=why)
+
+
+def _unreadable(thread_id: str, checkpoint_id: str, exc: Exception) -> ThreadHealth:
+    _log.error("cannot read thread %r: %s", thread_id, exc)
+    error = f"unreadable: {type(exc).__name__}: {exc}"[:2000]
+    return ThreadHealth(thread_id, ThreadStatus.FAILING, checkpoint_id, error=error)
+
+
+def _resumed_payload(snapshot: StateSnapshot, attribution: Attribution | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"next": list(snapshot.next), "by": "supervisor"}
+    if attribution is not None:
+        payload["attribution"] = attribution.payload()
+    return payload
+
+
+# --- resuming one thread ----------------------------------------------------------------------
+
+
+def recover(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    attribution: Attribution | None = None,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> bool:
+    """Resume ``thread_id`` if, once its lease is ours, it still needs it.
+
+    The check happens under the lease, so of several supervisors (or queue jobs) racing for
+    one thread exactly one resumes it: the others get ``ThreadBusy``, or find nothing left
+    to do and return ``False``. The ``run_resumed`` event carries the attribution.
+
+    Returns:
+        Whether a run happened (a run that parks again in ``waiting_tool`` counts).
+
+    Raises:
+        ThreadBusy: Another runner holds the thread.
+        LockBackendUnavailable: The lease backend is unreachable; nothing ran.
+    """
+    cfg = _config(thread_id, config)
+    with _leased(graph, thread_id, False):
+        snapshot = graph.get_state(cfg)
+        if not needs_recovery(snapshot, _clock.now()):
+            return False
+        cp = graph.checkpointer
+        if isinstance(cp, RecoveryAPI):
+            payload = _resumed_payload(snapshot, attribution)
+            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, payload)
+            _mark_resumed(cfg, event.seq, snapshot)
+        # Parking again in waiting_tool until the next retry_at is a normal end of a run.
+        with contextlib.suppress(ToolWaiting):
+            graph.invoke(None, cfg, **kwargs)
+        return True
+
+
+async def arecover(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    attribution: Attribution | None = None,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> bool:
+    """Async form of :func:`recover`."""
+    cfg = _config(thread_id, config)
+    async with _aleased(graph, thread_id, False):
+        snapshot = await graph.aget_state(cfg)
+        if not needs_recovery(snapshot, _clock.now()):
+            return False
+        cp = graph.checkpointer
+        if isinstance(cp, RecoveryAPI):
+            payload = _resumed_payload(snapshot, attribution)
+            event = await cp.aappend_event(thread_id, EventKind.RUN_RESUMED, payload)
+            _mark_resumed(cfg, event.seq, snapshot)
+        with contextlib.suppress(ToolWaiting):
+            await graph.ainvoke(None, cfg, **kwargs)
+        return True
+
+
+# --- the supervisor ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Failures:
+    checkpoint_id: str | None
+    count: int = 0
+    next_try: float = 0.0
+    error: str = ""
+    reported: bool = False
+
+
+@dataclass
+class _Memo:
+    """Per-thread memory between scans (driver state, not a value object)."""
+
+    known: dict[str, tuple[float, ThreadHealth]] = field(default_factory=dict)
+    failures: dict[str, _Failures] = field(default_factory=dict)
+
+
+# Verdicts that stay true until the thread gets a new checkpoint: kept between scans so a
+# scan re-reads only threads that moved. Re-read anyway after this long, in case a run
+# wrote to the same checkpoint without a new one (e.g. a decision whose run then crashed).
+_STABLE: Final = (ThreadStatus.IDLE, ThreadStatus.TAKEOVER, ThreadStatus.WAITING)
+_RECHECK_S: Final = 60.0
+
+
+class Supervisor:
+    """Health checks and recovery for the threads of one graph (sync and async).
+
+    Args:
+        graph: A graph built with a lease backend (``create_recovery_agent(leases=...)``);
+            without leases a running thread cannot be told from one whose worker died.
+        dispatch: ``dispatch(thread_id, attribution)`` hands each resume to a queue (e.g.
+            :func:`taskpilots_graph.workers.enqueue_resume`) instead of running it here.
+        max_failures: Resumes of one checkpoint that may raise before the thread is given up
+            on (``FAILING``, a ``stuck_detected`` event); it is tried again once it moves.
+        failure_backoff: Seconds before retrying a failed resume, doubling each time.
+
+    Raises:
+        ConfigurationError: If the graph has no recovery executor with a lease backend.
+    """
+
+    def __init__(
+        self,
+        graph: Pregel[Any, Any],
+        *,
+        dispatch: Dispatch | None = None,
+        max_failures: int = 3,
+        failure_backoff: float = 2.0,
+    ) -> None:
+        executor = find_executor(graph)
+        if executor is None or executor.leases is None:
+            raise ConfigurationError(
+                "the supervisor needs a graph with a lease backend, e.g. "
+                "create_recovery_agent(..., leases=lease_backend_from_url(url)): without "
+                "leases a running thread cannot be told from one whose worker died"
+            )
+        if max_failures < 1 or failure_backoff < 0:
+            raise ConfigurationError("max_failures must be >= 1 and failure_backoff >= 0")
+        self.graph = graph
+        self.leases: LeaseBackend = executor.leases
+        self.agent = str(getattr(graph, "name", None) or "graph")
+        self.dispatch = dispatch
+        self.max_failures = max_failures
+        self.failure_backoff = failure_backoff
+        self._memo = _Memo()
+
+    # -- shared bookkeeping (no I/O) ---------------------------------------------------------
+
+    def _cached(self, thread_id: str, checkpoint_id: str, now: float) -> ThreadHealth | None:
+        seen = self._memo.known.get(thread_id)
+        if seen is None:
+            return None
+        at, health = seen
+        if health.checkpoint_id != checkpoint_id or time.monotonic() - at > _RECHECK_S:
+            return None
+        waiting = health.status is ThreadStatus.WAITING and health.retry_at is not None
+        if waiting and health.retry_at is not None and health.retry_at <= now:
+            return None  # due now: re-read (a resume re-checks under the lease anyway)
+        return health
+
+    def _judged(self, health: ThreadHealth, now: float) -> ThreadHealth:
+        if health.status in _STABLE:
+            self._memo.known[health.thread_id] = (time.monotonic(), health)
+        else:
+            self._memo.known.pop(health.thread_id, None)
+        failing = self._memo.failures.get(health.thread_id)
+        if failing is None:
+            return health
+        if failing.checkpoint_id != health.checkpoint_id or not health.recoverable:
+            del self._memo.failures[health.thread_id]  # it moved on: a fresh start
+            return health
+        if failing.count >= self.max_failures:
+            return ThreadHealth(
+                health.thread_id,
+                ThreadStatus.FAILING,
+                health.checkpoint_id,
+                attribution=health.attribution,
+                error=failing.error,
+            )
+        return health
+
+    def _may_try(self, health: ThreadHealth, now: float) -> bool:
+        failing = self._memo.failures.get(health.thread_id)
+        return health.recoverable and (failing is None or now >= failing.next_try)
+
+    def _failed(self, health: ThreadHealth, exc: BaseException, now: float) -> _Failures | None:
+        """Count a failed resume; the record to report once it is given up on."""
+        failing = self._memo.failures.setdefault(health.thread_id, _Failures(health.checkpoint_id))
+        failing.count += 1
+        failing.error = f"{type(exc).__name__}: {exc}"[:2000]
+        failing.next_try = now + self.failure_backoff * 2 ** (failing.count - 1)
+        _log.warning("resuming thread %r failed: %s", health.thread_id, failing.error)
+        if failing.count >= self.max_failures and not failing.reported:
+            failing.reported = True
+            return failing
+        return None
+
+    def _stuck_payload(self, health: ThreadHealth, failing: _Failures) -> dict[str, Any]:
+        return {
+            "by": "supervisor",
+            "reason": f"recovery failed {failing.count} times",
+            "error": failing.error,
+            "attribution": health.attribution.payload() if health.attribution else None,
+        }
+
+    # -- sync driver -------------------------------------------------------------------------
+
+    def check(self) -> list[ThreadHealth]:
+        """The health check: every thread of the checkpointer and what it is doing.
+
+        Raises:
+            LockBackendUnavailable: The lease backend is unreachable: liveness cannot be
+                judged, so nothing is reported recoverable (fail closed).
+        """
+        checkpointer = self.graph.checkpointer
+        if checkpointer is None or isinstance(checkpointer, bool):
+            raise ConfigurationError("the supervisor needs a graph compiled with a checkpointer")
+        now = _clock.now()
+        found: list[ThreadHealth] = []
+        for thread_id, checkpoint_id in sorted(thread_index(checkpointer).items()):
+            cached = self._cached(thread_id, checkpoint_id, now)
+            if cached is not None:
+                found.append(self._judged(cached, now))
+                continue
+            holder = self.leases.holder(thread_lease_name(thread_id))
+            if holder is not None:
+                found.append(
+                    ThreadHealth(thread_id, ThreadStatus.RUNNING, checkpoint_id, holder.owner)
+                )
+                continue
+            try:
+                snapshot = self.graph.get_state(_config(thread_id, None))
+            except Exception as exc:  # one unreadable thread must not blind the supervisor
+                found.append(_unreadable(thread_id, checkpoint_id, exc))
+                continue
+            health = classify(thread_id, snapshot, agent=self.agent, now=now)
+            found.append(self._judged(health, now))
+        return found
+
+    def tick(self) -> ScanReport:
+        """One scan: the health check, then a resume (or dispatch) of each recoverable thread."""
+        threads = self.check()
+        now = _clock.now()
+        resumed: list[str] = []
+        dispatched: list[str] = []
+        busy: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for health in threads:
+            if not self._may_try(health, now):
+                continue
+            tid = health.thread_id
+            if self.dispatch is not None:
+                self.dispatch(
+                    tid, health.attribution or Attribution(tid, "worker_lost", self.agent)
+                )
+                dispatched.append(tid)
+                continue
+            try:
+                if recover(self.graph, tid, health.attribution):
+                    resumed.append(tid)
+            except ThreadBusy:
+                busy.append(tid)
+            except LockBackendUnavailable:
+                raise  # the lease backend is down: the whole tick fails closed
+            except Exception as exc:
+                failed.append((tid, f"{type(exc).__name__}: {exc}"))
+                if (failing := self._failed(health, exc, now)) is not None:
+                    self._record_stuck(health, failing)
+        return ScanReport(
+            tuple(threads), tuple(resumed), tuple(dispatched), tuple(busy), tuple(failed)
+        )
+
+    def _record_stuck(self, health: ThreadHealth, failing: _Failures) -> None:
+        cp = self.graph.checkpointer
+        if isinstance(cp, RecoveryAPI):
+            payload = self._stuck_payload(health, failing)
+            cp.append_event(health.thread_id, EventKind.STUCK_DETECTED, payload)
+
+    # -- async driver ------------------------------------------------------------------------
+
+    async def acheck(self) -> list[ThreadHealth]:
+        """Async form of :meth:`check`."""
+        checkpointer = self.graph.checkpointer
+        if checkpointer is None or isinstance(checkpointer, bool):
+            raise ConfigurationError("the supervisor needs a graph compiled with a checkpointer")
+        now = _clock.now()
+        found: list[ThreadHealth] = []
+        for thread_id, checkpoint_id in sorted((await athread_index(checkpointer)).items()):
+            cached = self._cached(thread_id, checkpoint_id, now)
+            if cached is not None:
+                found.append(self._judged(cached, now))
+                continue
+            holder = await self.leases.aholder(thread_lease_name(thread_id))
+            if holder is not None:
+                found.append(
+                    ThreadHealth(thread_id, ThreadStatus.RUNNING, checkpoint_id, holder.owner)
+                )
+                continue
+            try:
+                snapshot = await self.graph.aget_state(_config(thread_id, None))
+            except Exception as exc:  # one unreadable thread must not blind the supervisor
+                found.append(_unreadable(thread_id, checkpoint_id, exc))
+                continue
+            health = classify(thread_id, snapshot, agent=self.agent, now=now)
+            found.append(self._judged(health, now))
+        return found
+
+    async def atick(self) -> ScanReport:
+        """Async form of :meth:`tick` (resumes run one after the other)."""
+        threads = await self.acheck()
+        now = _clock.now()
+        resumed: list[str] = []
+        dispatched: list[str] = []
+        busy: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for health in threads:
+            if not self._may_try(health, now):
+                continue
+            tid = health.thread_id
+            if self.dispatch is not None:
+                outcome = self.dispatch(
+                    tid, health.attribution or Attribution(tid, "worker_lost", self.agent)
+                )
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+                dispatched.append(tid)
+                continue
+            try:
+                if await arecover(self.graph, tid, health.attribution):
+                    resumed.append(tid)
+            except ThreadBusy:
+                busy.append(tid)
+            except LockBackendUnavailable:
+                raise
+            except Exception as exc:
+                failed.append((tid, f"{type(exc).__name__}: {exc}"))
+                if (failing := self._failed(health, exc, now)) is not None:
+                    cp = self.graph.checkpointer
+                    if isinstance(cp, RecoveryAPI):
+                        payload = self._stuck_payload(health, failing)
+                        await cp.aappend_event(tid, EventKind.STUCK_DETECTED, payload)
+        return ScanReport(
+            tuple(threads), tuple(resumed), tuple(dispatched), tuple(busy), tuple(failed)
+        )
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+def _check_interval(interval: float) -> None:
+    if not interval > 0:
+        raise ConfigurationError(f"interval must be > 0 seconds, got {interval!r}")
+
+
+def supervise(
+    graph: Pregel[Any, Any],
+    *,
+    interval: float = 5.0,
+    once: bool = False,
+    dispatch: Dispatch | None = None,
+    stop: threading.Event | None = None,
+    on_report: Callable[[ScanReport], None] | None = None,
+    max_failures: int = 3,
+) -> ScanReport:
+    """Scan the graph's threads every ``interval`` seconds and resume the ones that need it.
+
+    Args:
+        graph: A graph built with a lease backend (see :class:`Supervisor`).
+        interval: Seconds between scans.
+        once: Scan once and return (for cron, tests, the CLI's ``--once``).
+        dispatch: Hand resumes to a queue instead of running them in this process.
+        stop: Set it (from another thread or a signal handler) to end the loop.
+        on_report: Called with each scan's report (logging, metrics).
+        max_failures: See :class:`Supervisor`.
+
+    Returns:
+        The last scan's report (once ``once`` or ``stop`` ends the loop).
+
+    Raises:
+        ConfigurationError: For a graph without leases or a bad interval.
+        LockBackendUnavailable: With ``once``, when the lease backend is unreachable; the
+            loop instead logs it and tries again next interval.
+    """
+    _check_interval(interval)
+    supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
+    stop = stop or threading.Event()
+    report = ScanReport()
+    while True:
+        try:
+            report = supervisor.tick()
+        except StorageError as exc:
+            if once:
+                raise
+            _log.warning("supervisor scan failed, retrying in %g s: %s", interval, exc)
+        else:
+            _log.info("supervisor scan: %s", report.summary())
+            if on_report is not None:
+                on_report(report)
+        if once or stop.wait(interval):
+            return report
+
+
+async def asupervise(
+    graph: Pregel[Any, Any],
+    *,
+    interval: float = 5.0,
+    once: bool = False,
+    dispatch: Dispatch | None = None,
+    stop: asyncio.Event | None = None,
+    on_report: Callable[[ScanReport], None] | None = None,
+    max_failures: int = 3,
+) -> ScanReport:
+    """Async form of :func:`supervise` (``dispatch`` may be a coroutine function)."""
+    _check_interval(interval)
+    supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
+    stop = stop or asyncio.Event()
+    report = ScanReport()
+    while True:
+        try:
+            report = await supervisor.atick()
+        except StorageError as exc:
+            if once:
+                raise
+            _log.warning("supervisor scan failed, retrying in %g s: %s", interval, exc)
+        else:
+            _log.info("supervisor scan: %s", report.summary())
+            if on_report is not None:
+                on_report(report)
+        if once:
+            return report
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except TimeoutError:
+            continue
+        return report
+
+
+def serve_supervisor(
+    graph_ref: str,
+    *,
+    db: str | None = None,
+    leases: str | None = None,
+    interval: float = 5.0,
+    once: bool = False,
+    stop: threading.Event | None = None,
+    on_report: Callable[[ScanReport], None] | None = None,
+) -> ScanReport:
+    """:func:`supervise` the graph ``graph_ref`` on the databases the URLs / environment name.
+
+    What ``python -m taskpilots_graph supervise`` runs: resumes happen in this process. (To
+    hand them to queue workers instead, see
+    :func:`taskpilots_graph.workers.serve_queue_supervisor`.)
+
+    Args:
+        graph_ref: ``"package.module:attr"`` (see :mod:`taskpilots_graph.config`).
+        db: The runs database; default ``TASKPILOTS_POSTGRES_URL``, else embedded SQLite.
+        leases: The lease backend; default ``TASKPILOTS_REDIS_URL``, else the database.
+        interval: Seconds between scans.
+        once: Scan once and return.
+        stop: Set it to end the loop.
+        on_report: Called with each scan's report.
+    """
+    _check_interval(interval)
+    settings = Settings.resolve(db=db, leases=leases)
+    with open_graph(graph_ref, settings) as graph:
+        return supervise(graph, interval=interval, once=once, stop=stop, on_report=on_report)
