@@ -8,6 +8,7 @@ can catch the whole family at once and still tell the cases apart by type::
     ├── ConfigurationError          a policy, connection string or setup mistake
     │   └── InvalidDecision         a takeover decision that does not validate
     ├── LeaseLost                   our lease expired or was taken: stop before the next effect
+    ├── MutualWait                  sub-agents wait for each other's locks (reported STUCK)
     ├── StorageError                the recovery store cannot do what was asked
     │   ├── CorruptRecordError      a stored row cannot be decoded (never "not found")
     │   ├── LedgerConflict          another run moved the same ledger entry first
@@ -43,6 +44,7 @@ __all__ = [
     "LedgerConflict",
     "LockBackendUnavailable",
     "MigrationError",
+    "MutualWait",
     "NoPendingTakeover",
     "PendingTakeover",
     "ResultDrifted",
@@ -267,3 +269,21 @@ class ResultDrifted(TaskPilotsError):
         self.tool_call_id = tool_call_id
         self.drift = dict(drift)
         self.result = result
+
+
+class MutualWait(TaskPilotsError):
+    """The coordinator found this thread in a mutual wait and stopped its lock wait.
+
+    Its failure kind is ``stuck``: the sub-agent's recovery router escalates to a person
+    instead of retrying.
+    """
+
+    failure_kind = "stuck"
+
+    def __init__(self, thread_id: str, lock: str) -> None:
+        super().__init__(
+            f"thread {thread_id!r} waits for {lock!r} in a mutual wait (a wait-for cycle); "
+            "the coordinator reported it STUCK"
+        )
+        self.thread_id = thread_id
+        self.lock = lock

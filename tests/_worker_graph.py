@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from _demo_agent import whole_memory
-
 import taskpilots_graph as tp
 from taskpilots_graph.demo.model import ScriptedTicketModel
 from taskpilots_graph.demo.services import Services
@@ -36,5 +34,4 @@ def build(*, checkpointer: Any, leases: Any) -> Any:
         leases=leases,
         lease_ttl=float(os.environ.get(LEASE_TTL_ENV, "2.0")),
         name="tickets",
-        **whole_memory(),
     )

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _demo_agent import whole_memory
 from _models import PlanModel
 from langchain_core.messages import HumanMessage
 from langchain_core.tools import BaseTool, StructuredTool
@@ -382,15 +381,14 @@ _WORKER = textwrap.dedent(
     from taskpilots_graph.demo.services import Services
     from taskpilots_graph.demo.workflow import PROMPT, recovery_tools
     from taskpilots_graph.locks import lease_backend_from_url
-    from _demo_agent import whole_memory
-
+    
     db, lease_url, services_path, ticket = sys.argv[1:]
     with tp.RecoveryCheckpointer.from_conn_string(db) as cp, \\
             lease_backend_from_url(lease_url) as leases:
         graph = tp.create_recovery_agent(
             ScriptedTicketModel(), recovery_tools(Services(services_path)),
             checkpointer=cp, prompt=PROMPT, leases=leases, lease_ttl=1.0,
-            **whole_memory())
+            )
         tp.run(graph, "ticket", {"messages": [HumanMessage(ticket)]})
     """
 )
@@ -433,7 +431,6 @@ def test_worker_killed_by_sigkill_is_detected_after_its_ttl_and_resumed(
             leases=leases,
             lease_ttl=1.0,
             name="tickets",
-            **whole_memory(),
         )
         supervisor = Supervisor(graph)
         seen: list[ThreadStatus] = []

@@ -37,13 +37,14 @@ def _async_store_for(inner: BaseCheckpointSaver[Any]) -> AsyncRecoveryStore:
         return AsyncMemoryStore()
     if isinstance(inner, AsyncSqliteSaver):
         return AsyncSqliteStore(inner.conn, inner.lock)
-    if type(inner).__module__.startswith("langgraph.checkpoint.postgres"):
+    try:  # the postgres extra may not be installed
         from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-
+    except ImportError:
+        AsyncPostgresSaver = None  # type: ignore[assignment,misc]
+    if AsyncPostgresSaver is not None and isinstance(inner, AsyncPostgresSaver):
         from taskpilots_graph.checkpointers.postgres import AsyncPostgresStore
 
-        if isinstance(inner, AsyncPostgresSaver):
-            return AsyncPostgresStore(inner.conn, inner.lock)
+        return AsyncPostgresStore(inner.conn, inner.lock)
     raise ConfigurationError(
         f"no async recovery store is known for {type(inner).__name__}; wrap InMemorySaver, "
         "AsyncSqliteSaver or AsyncPostgresSaver, use RecoveryCheckpointer for sync savers, "
@@ -124,12 +125,14 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
             async with aiosqlite.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S) as conn:
                 yield cls(AsyncSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
-            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-
-            from taskpilots_graph.checkpointers._pg_connect import open_async_pool
+            from taskpilots_graph.checkpointers._pg_connect import (
+                PooledAsyncPostgresSaver,
+                open_async_pool,
+            )
 
             async with open_async_pool(target.address, pool_size) as pool:
-                yield cls(AsyncPostgresSaver(pool, serde=compressed_serde()), artifacts=artifacts)
+                saver = PooledAsyncPostgresSaver(pool, serde=compressed_serde())
+                yield cls(saver, artifacts=artifacts)
 
     async def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""
