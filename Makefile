@@ -26,8 +26,11 @@ demo: $(VENV)/.installed
 	$(PY) -m taskpilots_graph.demo
 
 # Services are required here: a missing PostgreSQL or Redis fails the run instead of skipping.
+# Two pytest workers (each starts its own throwaway servers): most of the suite waits on
+# subprocesses, fsyncs and servers, so two halve the wall time even on two cores.
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-dev
-	TASKPILOTS_REQUIRE_SERVICES=1 $(PY) -m pytest $(PYTEST_ARGS)
+	TASKPILOTS_REQUIRE_SERVICES=1 $(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

@@ -381,7 +381,7 @@ _WORKER = textwrap.dedent(
     from taskpilots_graph.demo.services import Services
     from taskpilots_graph.demo.workflow import PROMPT, recovery_tools
     from taskpilots_graph.locks import lease_backend_from_url
-    
+
     db, lease_url, services_path, ticket = sys.argv[1:]
     with tp.RecoveryCheckpointer.from_conn_string(db) as cp, \\
             lease_backend_from_url(lease_url) as leases:
