@@ -14,9 +14,9 @@
    ``AsyncPostgresSaver`` funnels every call through one per-instance ``asyncio.Lock``,
    even over a pool). Raw checkpoint writes (``aput``) per second, and graph threads per
    second, for: LangGraph's saver shared by all 16 tasks; one LangGraph saver per task (the
-   reference without the funnel); our ``AsyncRecoveryCheckpointer`` shared (as shipped); and
-   ours over an inner saver whose ``_cursor`` skips the lock when it holds a pool (the
-   change proposed for ``checkpointers/aio.py``, defined in this file to measure it).
+   reference without the funnel); our ``AsyncRecoveryCheckpointer`` shared, as
+   ``from_conn_string`` builds it (its saver skips the lock when it draws from a pool); and
+   ours over LangGraph's saver, lock included, for contrast.
 
 Servers come from ``tests/_services.py`` unless ``--postgres`` / ``--redis`` URLs are given.
 The machine has few cores: worker counts above the core count measure contention, which is
@@ -43,8 +43,8 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import ExitStack, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -232,52 +232,17 @@ def processes_run(
 # --- 3. one process, 16 async threads -------------------------------------------------------------
 
 
-def _lock_free_saver_class() -> type:
-    """``AsyncPostgresSaver`` without its per-instance funnel when it holds a pool.
-
-    Upstream ``_cursor`` enters ``self.lock`` on every call, even though a pool hands each
-    call its own connection: the lock only protects a single shared connection (or a
-    pipeline). This subclass keeps upstream behaviour for those and skips the lock for a
-    pool. It is the change proposed for ``taskpilots_graph/checkpointers/aio.py``.
-    """
+def _ours(pool: Any, *, lock_free: bool = True) -> Any:
+    """``AsyncRecoveryCheckpointer`` as ``from_conn_string`` builds it (a pooled saver without
+    LangGraph's per-instance lock), or over LangGraph's own saver (with the lock)."""
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-    from psycopg.rows import dict_row
-    from psycopg_pool import AsyncConnectionPool
 
-    class PooledAsyncPostgresSaver(AsyncPostgresSaver):
-        @asynccontextmanager
-        async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
-            if not isinstance(self.conn, AsyncConnectionPool) or self.pipe:
-                async with super()._cursor(pipeline=pipeline) as cur:
-                    yield cur
-                return
-            async with self.conn.connection() as conn:
-                if pipeline and self.supports_pipeline:
-                    async with (
-                        conn.pipeline(),
-                        conn.cursor(binary=True, row_factory=dict_row) as cur,
-                    ):
-                        yield cur
-                elif pipeline:
-                    async with (
-                        conn.transaction(),
-                        conn.cursor(binary=True, row_factory=dict_row) as cur,
-                    ):
-                        yield cur
-                else:
-                    async with conn.cursor(binary=True, row_factory=dict_row) as cur:
-                        yield cur
-
-    return PooledAsyncPostgresSaver
-
-
-def _ours_lock_free(pool: Any) -> Any:
-    """``AsyncRecoveryCheckpointer`` over the lock-free saver (its store needs no lock)."""
     import taskpilots_graph as tp
-    from taskpilots_graph.checkpointers.postgres import AsyncPostgresStore
+    from taskpilots_graph.checkpointers._pg_connect import PooledAsyncPostgresSaver
+    from taskpilots_graph.checkpointers.serde import compressed_serde
 
-    inner = _lock_free_saver_class()(pool)
-    return tp.AsyncRecoveryCheckpointer(inner, store=AsyncPostgresStore(pool, inner.lock))
+    saver = PooledAsyncPostgresSaver if lock_free else AsyncPostgresSaver
+    return tp.AsyncRecoveryCheckpointer(saver(pool, serde=compressed_serde()))
 
 
 async def _write_checkpoints(saver: Any, thread_id: str, writes: int) -> None:
@@ -297,7 +262,6 @@ async def async_writes(db: str, variant: str, writes: int) -> float:
     """``aput`` calls per second of 16 tasks on their own threads."""
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
-    import taskpilots_graph as tp
     from taskpilots_graph.checkpointers._pg_connect import open_async_pool
 
     async with open_async_pool(db, ASYNC_TASKS + 2) as pool:
@@ -306,9 +270,9 @@ async def async_writes(db: str, variant: str, writes: int) -> float:
         elif variant == "langgraph per task":
             savers = [AsyncPostgresSaver(pool) for _ in range(ASYNC_TASKS)]
         elif variant == "ours shared":
-            savers = [tp.AsyncRecoveryCheckpointer(AsyncPostgresSaver(pool))] * ASYNC_TASKS
-        else:  # ours shared, lock-free inner saver (the proposed change)
-            savers = [_ours_lock_free(pool)] * ASYNC_TASKS
+            savers = [_ours(pool)] * ASYNC_TASKS
+        else:  # ours over LangGraph's saver, with its per-instance lock
+            savers = [_ours(pool, lock_free=False)] * ASYNC_TASKS
         tag = uuid.uuid4().hex[:8]
         await asyncio.gather(
             *(_write_checkpoints(s, f"warm-{tag}-{i}", 5) for i, s in enumerate(savers))
@@ -338,11 +302,7 @@ async def async_graphs(db: str, redis_url: str, variant: str, threads: int, step
                     await graph.ainvoke(_go(), {"configurable": {"thread_id": tid}})
 
             else:
-                cp = (
-                    _ours_lock_free(pool)
-                    if variant.endswith("lock-free inner")
-                    else tp.AsyncRecoveryCheckpointer(AsyncPostgresSaver(pool))
-                )
+                cp = _ours(pool, lock_free=not variant.endswith("LangGraph's saver"))
                 agent = our_agent(cp, leases, steps)
 
                 async def run(tid: str) -> None:
@@ -458,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             "langgraph shared",
             "langgraph per task",
             "ours shared",
-            "ours shared, lock-free inner",
+            "ours over LangGraph's saver",
         ):
             try:
                 writes[variant] = asyncio.run(async_writes(db, variant, args.async_writes))
@@ -466,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception:
                 notes.append(f"async writes {variant} failed:\n{traceback.format_exc()}")
         graphs: dict[str, float] = {}
-        for variant in ("plain langgraph", "ours", "ours, lock-free inner"):
+        for variant in ("plain langgraph", "ours", "ours over LangGraph's saver"):
             try:
                 graphs[variant] = asyncio.run(
                     async_graphs(db, redis_url, variant, args.async_threads, args.steps)
