@@ -50,10 +50,6 @@ DEFAULT_POOL_SIZE = 8
 """Connections in the PostgreSQL pool that the saver and the recovery store share."""
 
 
-SQLITE_PAGE_SIZE = 16384
-"""Page size of new SQLite files (set before the first table; later it changes nothing)."""
-
-
 def enable_wal(execute: Callable[[str], Any]) -> None:
     """Switch a SQLite file to WAL once, retrying while another process holds it.
 
@@ -61,14 +57,10 @@ def enable_wal(execute: Callable[[str], Any]) -> None:
     file opened by two processes at once that switch fails with SQLITE_BUSY at once (the busy
     timeout does not cover it). Done here first, with retries, the saver's own switch is a
     no-op.
-
-    A new file gets 16 KB pages first (an existing one keeps its own): checkpoints are a few
-    KB each, and SQLite's default 4 KB page would hold one of them with much of it empty.
     """
     deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
     while True:
         try:
-            execute(f"PRAGMA page_size={SQLITE_PAGE_SIZE}")
             execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
