@@ -1,8 +1,7 @@
-"""Races over 50 rounds on PostgreSQL + Redis: one thread, and one business operation.
+"""Two agents race for one business operation 50 times, on PostgreSQL + Redis.
 
-* Two processes start the *same thread* at once, 50 times (as ``tests/test_leases.py`` does
-  for 20 rounds per backend; here the 50 of issue 7):
-  every round exactly one runs, the other gets ``ThreadBusy``; no checkpoint write is lost.
+(Two processes racing for the *same thread* are in ``tests/test_leases.py``.)
+
 * Two agents on *different threads* race for the same business operation 50 times. Two
   processes each run their own agent, on threads of their own, released by a barrier at
 the same instant every round. Both decide to charge the same order; the tool is declared
@@ -41,81 +40,6 @@ RUN_SECONDS = 0.15  # how long the racing side effect takes: the winner surely h
 def _record(note: str) -> str:
     time.sleep(RUN_SECONDS)
     return f"recorded {note}"
-
-
-def _race(db: str, lease_url: str, rounds: int, barrier: Any, results: Any) -> None:
-    """One racing runner: every round, start thread ``t`` with a new message."""
-    try:
-        outcomes: list[str] = []
-        record = StructuredTool.from_function(_record, name="record", description="record")
-        with (
-            RecoveryCheckpointer.from_conn_string(db) as cp,
-            lease_backend_from_url(lease_url) as leases,
-        ):
-            graph = tp.create_recovery_agent(
-                PlanModel(plan=[("record", {"note": "$msg"})]),
-                [tp.side_effect(record)],
-                checkpointer=cp,
-                leases=leases,
-                lease_ttl=10,
-                memory_window=None,  # the check below reads every answer from the state
-            )
-            for round_ in range(rounds):
-                barrier.wait()
-                try:
-                    tp.run(graph, "t", {"messages": [HumanMessage(f"round {round_}")]})
-                    outcomes.append("ran")
-                except tp.ThreadBusy:
-                    outcomes.append("busy")
-        results.put(("ok", outcomes))
-    except BaseException:
-        barrier.abort()
-        results.put(("error", traceback.format_exc()))
-
-
-def test_two_processes_start_one_thread_fifty_times(postgres_url: str, redis_url: str) -> None:
-    """50 rounds of two processes starting one thread: one runs, one gets ThreadBusy, and
-    the checkpoint history holds all 50 runs (none lost)."""
-    with RecoveryCheckpointer.from_conn_string(postgres_url) as cp:
-        cp.setup()
-    context = multiprocessing.get_context("spawn")
-    barrier = context.Barrier(2, timeout=60)
-    results = context.Queue()
-    racers = [
-        context.Process(target=_race, args=(postgres_url, redis_url, ROUNDS, barrier, results))
-        for _ in range(2)
-    ]
-    for racer in racers:
-        racer.start()
-    try:
-        reports = [results.get(timeout=180) for _ in racers]
-    except queue.Empty:
-        pytest.fail("a racing process did not report")
-    finally:
-        for racer in racers:
-            racer.join(timeout=10)
-            if racer.is_alive():
-                racer.kill()
-    errors = [body for status, body in reports if status == "error"]
-    assert not errors, errors[0]
-    first, second = (body for _, body in reports)
-    for a, b in zip(first, second, strict=True):
-        assert sorted((a, b)) == ["busy", "ran"]  # exactly one ran each round
-    with RecoveryCheckpointer.from_conn_string(postgres_url) as cp:
-        history = list(cp.list({"configurable": {"thread_id": "t"}}))
-        latest = history[0].checkpoint["channel_values"]["messages"]
-        asked = [m.content for m in latest if isinstance(m, HumanMessage)]
-        assert asked == [f"round {i}" for i in range(ROUNDS)]  # one run per round, none lost
-        answers = [m.content for m in latest if isinstance(m, ToolMessage)]
-        assert answers == [f"recorded round {i}" for i in range(ROUNDS)]
-        entries = cp.ledger("t")
-        assert sorted(str(e.args["note"]) for e in entries) == sorted(asked)
-        # Each checkpoint extends its parent: no run wrote on top of a stale checkpoint.
-        ids = {c.config["configurable"]["checkpoint_id"] for c in history}
-        parents = [c.parent_config for c in history if c.parent_config is not None]
-        assert all(p["configurable"]["checkpoint_id"] in ids for p in parents)
-        assert len(parents) == len(history) - 1  # one chain, one root
-        assert [e.status for e in entries] == ["committed"] * ROUNDS
 
 
 def _agent_process(

@@ -39,6 +39,7 @@ from taskpilots_graph.locks import (
 from taskpilots_graph.policy import Backoff, ToolPolicy
 
 ROUNDS = 20
+SCALE_OUT_ROUNDS = 50
 RUN_SECONDS = 0.15  # how long the racing side effect takes: the winner surely holds the lease
 PARK = ToolPolicy(backoff=Backoff(initial=60, jitter=False), wait_window=3600)  # → ToolWaiting
 
@@ -99,18 +100,18 @@ def _race(
 @pytest.fixture(
     params=[
         "sqlite",
-        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.postgres]),
         pytest.param("postgres", marks=pytest.mark.postgres),
     ]
 )
 def stores(request: pytest.FixtureRequest, sqlite_path: str) -> tuple[str, str]:
-    """(checkpointer URL, lease URL), set up: SQLite for both, SQLite + Redis, or PostgreSQL."""
-    if request.param == "postgres":
-        url = str(request.getfixturevalue("postgres_url"))
-        db, lease_url = url, url
+    """(checkpointer URL, lease URL), set up: SQLite for both, PostgreSQL + Redis (the
+    scale-out configuration), or PostgreSQL for both."""
+    if request.param == "sqlite":
+        db = lease_url = _db(sqlite_path)
     else:
-        db = _db(sqlite_path)
-        lease_url = db if request.param == "sqlite" else str(request.getfixturevalue("redis_url"))
+        db = str(request.getfixturevalue("postgres_url"))
+        lease_url = db if request.param == "postgres" else str(request.getfixturevalue("redis_url"))
     with RecoveryCheckpointer.from_conn_string(db) as cp, lease_backend_from_url(lease_url) as lb:
         cp.setup()
         lb.setup()
@@ -118,13 +119,15 @@ def stores(request: pytest.FixtureRequest, sqlite_path: str) -> tuple[str, str]:
 
 
 def test_two_processes_racing_for_one_thread(stores: tuple[str, str]) -> None:
-    """20 rounds of two processes starting one thread at once: one runs, one gets ThreadBusy."""
+    """Rounds of two processes starting one thread at once: one runs, one gets ThreadBusy."""
     db, lease_url = stores
+    # The scale-out configuration races 50 rounds; the embedded ones 20, to keep the suite fast.
+    rounds = SCALE_OUT_ROUNDS if lease_url.startswith("redis") else ROUNDS
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(2, timeout=60)
     results = context.Queue()
     children = [
-        context.Process(target=_race, args=(db, lease_url, "t", ROUNDS, barrier, results))
+        context.Process(target=_race, args=(db, lease_url, "t", rounds, barrier, results))
         for _ in range(2)
     ]
     for child in children:
@@ -145,16 +148,20 @@ def test_two_processes_racing_for_one_thread(stores: tuple[str, str]) -> None:
         assert sorted((a, b)) == ["busy", "ran"]  # exactly one ran each round
 
     with RecoveryCheckpointer.from_conn_string(db) as cp:
-        state = cp.get_tuple({"configurable": {"thread_id": "t"}})
-        assert state is not None
-        messages = state.checkpoint["channel_values"]["messages"]
+        history = list(cp.list({"configurable": {"thread_id": "t"}}))
+        messages = history[0].checkpoint["channel_values"]["messages"]
         asked = [m.content for m in messages if isinstance(m, HumanMessage)]
-        assert asked == [f"round {i}" for i in range(ROUNDS)]  # one run per round, none lost
+        assert asked == [f"round {i}" for i in range(rounds)]  # one run per round, none lost
         answers = [m.content for m in messages if isinstance(m, ToolMessage)]
-        assert answers == [f"recorded round {i}" for i in range(ROUNDS)]
+        assert answers == [f"recorded round {i}" for i in range(rounds)]
         entries = cp.ledger("t")
-        assert [e.status for e in entries] == ["committed"] * ROUNDS
+        assert [e.status for e in entries] == ["committed"] * rounds
         assert sorted(e.args["note"] for e in entries) == sorted(asked)
+        # Each checkpoint extends its parent: no run wrote on top of a stale checkpoint.
+        ids = {c.config["configurable"]["checkpoint_id"] for c in history}
+        parents = [c.parent_config for c in history if c.parent_config is not None]
+        assert all(p["configurable"]["checkpoint_id"] in ids for p in parents)
+        assert len(parents) == len(history) - 1  # one chain, one root
 
 
 # --- business locks ---------------------------------------------------------------------------
