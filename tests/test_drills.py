@@ -166,6 +166,8 @@ def test_drill_c_long_outage_without_fallback_escalates(
 
     assert search.calls == 4  # exactly max_attempts, then no more
     assert clock.slept == [1.0, 2.0, 4.0]
+    attempts = [e.payload["attempt"] for e in cp.events("t") if e.kind is tp.EventKind.TOOL_FAILED]
+    assert attempts == [1, 2, 3, 4]  # each retry of the step is numbered
     log = kinds(cp)
     assert log.count("retry_scheduled") == 3
     if on_exhausted == "takeover":

@@ -122,6 +122,7 @@ class CallContext:
     confirm_drift: bool = False  # a different result on a repeated call stops for a person
     drift_comparator: Comparator | None = None
     previous: Mapping[str, Any] | None = None  # the call's earlier ``tool_succeeded`` payload
+    attempt: int = 1  # of a pure tool in its step (side effects count theirs in the ledger)
 
     @property
     def keeps_value(self) -> bool:
@@ -271,17 +272,19 @@ def run_call(ctx: CallContext) -> Protocol:
 
 
 def _pure_call(ctx: CallContext) -> Protocol:
-    inv = Invocation(ctx.key, 1, ctx.thread_id, ctx.tool_call_id, ctx.tool)
-    yield WriteEvent(_event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args)))
+    attempt = ctx.attempt
+    inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
+    yield WriteEvent(_event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt))
     try:
         result = yield RunTool(inv)
     except GraphBubbleUp:
         raise  # an interrupt inside the tool: LangGraph control flow, not a failure
     except Exception as exc:
         failure = classify(exc, ctx.rules)
-        yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), 1))
+        yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), attempt))
         return CallOutcome(error=exc, failure=failure)
-    yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, **_success(ctx, result)))
+    success = _success(ctx, result)
+    yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **success))
     return (yield from _compared(ctx, result, recordable(result)[0]))
 
 

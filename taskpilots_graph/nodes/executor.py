@@ -301,6 +301,7 @@ class RecoveryExecutor:
                 confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
                 drift_comparator=(spec.drift_comparator if spec is not None else None)
                 or policy.drift_comparator,
+                attempt=int(record.get("attempts", 0)) + 1,
             )
             prepared.append(_Call(call, tool, call_ctx, record))
         if not prepared:
