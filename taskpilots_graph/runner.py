@@ -35,6 +35,7 @@ from taskpilots_graph.errors import (
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.locks.base import thread_lease_name
 from taskpilots_graph.locks.hold import ahold, hold, reset_thread_hold, set_thread_hold
+from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
@@ -306,16 +307,21 @@ def _answer(
     if not pending:
         raise NoPendingTakeover(thread_id)
     (interrupt,) = pending[:1]
-    chosen = targets(snapshot.values, decision)  # InvalidDecision for a step that does not wait
-    if decision.action == "edit_args":
-        _check_args(graph, chosen[0].get("using") or chosen[0].get("tool") or "", decision)
-    return Command(resume={interrupt.id: decision.model_dump(mode="json")})
-
-
-def _check_args(graph: Pregel[Any, Any], tool_name: str, decision: Decision) -> None:
-    """Validate edited arguments against the tool's schema before anything changes."""
+    answer: Command[Any] = Command(resume={interrupt.id: decision.model_dump(mode="json")})
     executor = find_executor(graph)
-    tool = executor.tools.get(tool_name) if executor is not None else None
+    if executor is None:
+        # No step layer to check against (e.g. RecoveryMiddleware in langchain's
+        # create_agent): the node that asked checks the decision when it resumes.
+        return answer
+    chosen = targets(snapshot.values, decision)  # InvalidDecision for a step that does not wait
+    if decision.action == "edit_args" and chosen:
+        _check_args(executor, chosen[0].get("using") or chosen[0].get("tool") or "", decision)
+    return answer
+
+
+def _check_args(executor: RecoveryExecutor, tool_name: str, decision: Decision) -> None:
+    """Validate edited arguments against the tool's schema before anything changes."""
+    tool = executor.tools.get(tool_name)
     schema = getattr(tool, "args_schema", None)
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         try:

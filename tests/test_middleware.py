@@ -624,3 +624,30 @@ def test_human_in_the_loop_composes(cp: tp.RecoveryCheckpointer, services: Servi
     assert done["messages"][-1].content == "done"
     assert _tickets(services, "t-hitl") == 1
     assert cp.ledger("t-hitl")[0].status is LedgerStatus.COMMITTED
+
+
+def test_decide_edit_args_on_a_create_agent_graph(
+    cp: tp.RecoveryCheckpointer, services: Services
+) -> None:
+    """tp.decide answers the middleware's takeover too: the graph has no step layer, so the
+    middleware checks the decision itself when it resumes."""
+
+    @tool
+    def open_ticket(subject: str) -> str:
+        """Open a help-desk ticket."""
+        ticket = services.create_ticket(subject, subject, tp.current_invocation().key)
+        if subject == "t-d":
+            raise TimeoutError("the help desk did not answer in time")
+        return ticket
+
+    agent = create_agent(
+        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
+        [tp.side_effect(open_ticket)],
+        checkpointer=cp,
+        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
+    )
+    agent.invoke({"messages": [("user", "t-d")]}, _config("t-d"))
+    tp.decide(agent, "t-d", tp.Decision(action="edit_args", args={"subject": "t-d2"}))
+    final = agent.get_state(_config("t-d")).values["messages"][-1]
+    assert final.content == "done"
+    assert [_tickets(services, "t-d"), _tickets(services, "t-d2")] == [1, 1]
