@@ -307,6 +307,12 @@ def _answer(
     if not pending:
         raise NoPendingTakeover(thread_id)
     (interrupt,) = pending[:1]
+    offered = interrupt.value.get("options") or {}
+    if offered and decision.action not in offered:
+        raise InvalidDecision(
+            f"{decision.action!r} is not an option of this takeover; choose one of "
+            f"{', '.join(offered)}"
+        )
     answer: Command[Any] = Command(resume={interrupt.id: decision.model_dump(mode="json")})
     executor = find_executor(graph)
     if executor is None:

@@ -651,3 +651,27 @@ def test_decide_edit_args_on_a_create_agent_graph(
     final = agent.get_state(_config("t-d")).values["messages"][-1]
     assert final.content == "done"
     assert [_tickets(services, "t-d"), _tickets(services, "t-d2")] == [1, 1]
+
+
+def test_decide_refuses_an_action_the_takeover_does_not_offer(
+    cp: tp.RecoveryCheckpointer, services: Services
+) -> None:
+    """accept answers only a drifted result: refused before anything resumes."""
+
+    @tool
+    def open_ticket(subject: str) -> str:
+        """Open a help-desk ticket."""
+        services.create_ticket(subject, subject, tp.current_invocation().key)
+        raise TimeoutError("the help desk did not answer in time")
+
+    agent = create_agent(
+        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
+        [tp.side_effect(open_ticket)],
+        checkpointer=cp,
+        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
+    )
+    agent.invoke({"messages": [("user", "t-a")]}, _config("t-a"))
+    with pytest.raises(tp.InvalidDecision, match="not an option"):
+        tp.decide(agent, "t-a", tp.Decision(action="accept"))
+    assert [r.thread_id for r in tp.pending_takeovers(cp, thread_ids=["t-a"])] == ["t-a"]
+    assert _tickets(services, "t-a") == 1
