@@ -11,7 +11,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -254,22 +254,33 @@ def test_uncertain_effect_waits_for_a_person(
     assert tp.pending_takeovers(cp, thread_ids=["t-h"]) == []
 
 
-def test_retry_decision_is_applied_once(cp: tp.RecoveryCheckpointer, services: Services) -> None:
-    """A person approves one retry; when that retry is uncertain again the run asks again,
-    and the second answer (skip) does not re-apply the first (no third ticket)."""
+def _ticket_agent(
+    cp: tp.RecoveryCheckpointer, services: Services, *, times_out: Callable[[str], bool]
+) -> Any:
+    """A ``create_agent`` graph under ``RecoveryMiddleware`` whose one side effect writes the
+    ticket and then, for the subjects ``times_out`` picks, times out (outcome uncertain)."""
 
     @tool
     def open_ticket(subject: str) -> str:
         """Open a help-desk ticket."""
-        services.create_ticket(subject, subject, tp.current_invocation().key)
-        raise TimeoutError("the help desk did not answer in time")
+        ticket = services.create_ticket(subject, subject, tp.current_invocation().key)
+        if times_out(subject):
+            raise TimeoutError("the help desk did not answer in time")
+        return ticket
 
-    agent = create_agent(
+    return create_agent(
         PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
         [tp.side_effect(open_ticket)],
         checkpointer=cp,
         middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
     )
+
+
+def test_retry_decision_is_applied_once(cp: tp.RecoveryCheckpointer, services: Services) -> None:
+    """A person approves one retry; when that retry is uncertain again the run asks again,
+    and the second answer (skip) does not re-apply the first (no third ticket)."""
+
+    agent = _ticket_agent(cp, services, times_out=lambda subject: True)
     agent.invoke({"messages": [("user", "t-r")]}, _config("t-r"))
     assert _tickets(services, "t-r") == 1
     second = tp.decide(agent, "t-r", tp.Decision(action="retry"))
@@ -316,20 +327,7 @@ def test_edit_args_runs_under_a_new_key(cp: tp.RecoveryCheckpointer, services: S
     """edit_args (answered with Command(resume=...)): the old key is closed for good and the
     call runs with the new arguments under a new key."""
 
-    @tool
-    def open_ticket(subject: str) -> str:
-        """Open a help-desk ticket."""
-        ticket = services.create_ticket(subject, subject, tp.current_invocation().key)
-        if subject == "t-e":
-            raise TimeoutError("the help desk did not answer in time")
-        return ticket
-
-    agent = create_agent(
-        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
-        [tp.side_effect(open_ticket)],
-        checkpointer=cp,
-        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
-    )
+    agent = _ticket_agent(cp, services, times_out=lambda subject: subject == "t-e")
     paused = agent.invoke({"messages": [("user", "t-e")]}, _config("t-e"))
     (pending,) = paused["__interrupt__"]
     answer = {"action": "edit_args", "args": {"subject": "t-e2"}}
@@ -632,20 +630,7 @@ def test_decide_edit_args_on_a_create_agent_graph(
     """tp.decide answers the middleware's takeover too: the graph has no step layer, so the
     middleware checks the decision itself when it resumes."""
 
-    @tool
-    def open_ticket(subject: str) -> str:
-        """Open a help-desk ticket."""
-        ticket = services.create_ticket(subject, subject, tp.current_invocation().key)
-        if subject == "t-d":
-            raise TimeoutError("the help desk did not answer in time")
-        return ticket
-
-    agent = create_agent(
-        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
-        [tp.side_effect(open_ticket)],
-        checkpointer=cp,
-        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
-    )
+    agent = _ticket_agent(cp, services, times_out=lambda subject: subject == "t-d")
     agent.invoke({"messages": [("user", "t-d")]}, _config("t-d"))
     tp.decide(agent, "t-d", tp.Decision(action="edit_args", args={"subject": "t-d2"}))
     final = agent.get_state(_config("t-d")).values["messages"][-1]
@@ -658,18 +643,7 @@ def test_decide_refuses_an_action_the_takeover_does_not_offer(
 ) -> None:
     """accept answers only a drifted result: refused before anything resumes."""
 
-    @tool
-    def open_ticket(subject: str) -> str:
-        """Open a help-desk ticket."""
-        services.create_ticket(subject, subject, tp.current_invocation().key)
-        raise TimeoutError("the help desk did not answer in time")
-
-    agent = create_agent(
-        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]),
-        [tp.side_effect(open_ticket)],
-        checkpointer=cp,
-        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
-    )
+    agent = _ticket_agent(cp, services, times_out=lambda subject: True)
     agent.invoke({"messages": [("user", "t-a")]}, _config("t-a"))
     with pytest.raises(tp.InvalidDecision, match="not an option"):
         tp.decide(agent, "t-a", tp.Decision(action="accept"))
