@@ -313,13 +313,22 @@ def _five_effect_tickets(tickets: list[dict[str, Any]]) -> int:
     return sum(1 for t in tickets if t["refund"] > 0)
 
 
-@pytest.mark.timeout(600)
-def test_crash_drill_sqlite(tmp_path: Path, timed_kills_in_work: list[float]) -> None:
+def _agent_drill(
+    tmp_path: Path,
+    timed_kills_in_work: list[float],
+    *,
+    tickets_n: int,
+    before: list[str],
+    extra: int,
+    timed: int,
+    min_kills: int,
+    conn_string: str | None = None,
+    density: Density = "every_step",
+) -> Plan:
+    """Run the agent's drill on a fresh batch and check it; returns the plan it ran."""
     seed = drill_seed()
-    plan = make_plan(
-        seed, before=SQLITE_BEFORE, extra=SQLITE_EXTRA_POINTS, timed_kills=SQLITE_TIMED
-    )
-    customers, tickets = make_batch(SQLITE_TICKETS, seed=seed)
+    plan = make_plan(seed, before=before, extra=extra, timed_kills=timed)
+    customers, tickets = make_batch(tickets_n, seed=seed)
     assert _five_effect_tickets(tickets) >= len(tickets) * 3 // 4, plan.describe()
     report = drill(
         "agent",
@@ -328,19 +337,36 @@ def test_crash_drill_sqlite(tmp_path: Path, timed_kills_in_work: list[float]) ->
         customers,
         kill_points=plan.kill_points,
         timed_kills=plan.timed_kills,
+        conn_string=conn_string,
         seed=seed,
+        density=density,
     )
-    print(_summary(report, plan, timed_kills_in_work))
-    assert timed_kills_in_work, f"drill drew no timed-kill moment (internals changed?): {plan}"
+    print(density, _summary(report, plan, timed_kills_in_work))
     facts = check_agent_drill(
         report,
         plan,
         workdir=tmp_path,
-        conn_string=f"sqlite:///{tmp_path / 'agent-runs.db'}",
+        conn_string=conn_string or f"sqlite:///{tmp_path / 'agent-runs.db'}",
         tickets=tickets,
+        min_kills=min_kills,
+    )
+    print(f"{density} ledger: {facts}")
+    return plan
+
+
+@pytest.mark.timeout(600)
+def test_crash_drill_sqlite(tmp_path: Path, timed_kills_in_work: list[float]) -> None:
+    plan = _agent_drill(
+        tmp_path,
+        timed_kills_in_work,
+        tickets_n=SQLITE_TICKETS,
+        before=SQLITE_BEFORE,
+        extra=SQLITE_EXTRA_POINTS,
+        timed=SQLITE_TIMED,
         min_kills=SQLITE_MIN_KILLS,
     )
-    print(f"agent ledger: {facts}")
+    assert timed_kills_in_work, f"drill drew no timed-kill moment (internals changed?): {plan}"
+    seed = plan.seed
 
     # The same drill against plain LangGraph (same kind of kill points, fewer) must repeat
     # effects, or the drill above would prove nothing.
@@ -363,30 +389,16 @@ def test_crash_drill_sqlite(tmp_path: Path, timed_kills_in_work: list[float]) ->
 def test_crash_drill_postgres(
     tmp_path: Path, postgres_url: str, timed_kills_in_work: list[float]
 ) -> None:
-    seed = drill_seed()
-    plan = make_plan(seed, before=PG_BEFORE, extra=PG_EXTRA_POINTS, timed_kills=PG_TIMED)
-    customers, tickets = make_batch(PG_TICKETS, seed=seed)
-    assert _five_effect_tickets(tickets) >= len(tickets) * 3 // 4, plan.describe()
-    report = drill(
-        "agent",
+    _agent_drill(
         tmp_path,
-        tickets,
-        customers,
-        kill_points=plan.kill_points,
-        timed_kills=plan.timed_kills,
-        conn_string=postgres_url,
-        seed=seed,
-    )
-    print(_summary(report, plan, timed_kills_in_work))
-    facts = check_agent_drill(
-        report,
-        plan,
-        workdir=tmp_path,
-        conn_string=postgres_url,
-        tickets=tickets,
+        timed_kills_in_work,
+        tickets_n=PG_TICKETS,
+        before=PG_BEFORE,
+        extra=PG_EXTRA_POINTS,
+        timed=PG_TIMED,
         min_kills=PG_MIN_KILLS,
+        conn_string=postgres_url,
     )
-    print(f"agent ledger: {facts}")
 
 
 # Sparser checkpoint densities: the same kill windows (before and after every side effect)
@@ -403,29 +415,16 @@ DENSITY_MIN_KILLS = 10
 def test_crash_drill_under_sparse_checkpoint_density(
     tmp_path: Path, timed_kills_in_work: list[float], density: Density
 ) -> None:
-    seed = drill_seed()
-    plan = make_plan(seed, before=SQLITE_BEFORE, extra=0, timed_kills=DENSITY_TIMED)
-    customers, tickets = make_batch(DENSITY_TICKETS, seed=seed)
-    report = drill(
-        "agent",
+    _agent_drill(
         tmp_path,
-        tickets,
-        customers,
-        kill_points=plan.kill_points,
-        timed_kills=plan.timed_kills,
-        seed=seed,
+        timed_kills_in_work,
+        tickets_n=DENSITY_TICKETS,
+        before=SQLITE_BEFORE,
+        extra=0,
+        timed=DENSITY_TIMED,
+        min_kills=DENSITY_MIN_KILLS,
         density=density,
     )
-    print(density, _summary(report, plan, timed_kills_in_work))
-    facts = check_agent_drill(
-        report,
-        plan,
-        workdir=tmp_path,
-        conn_string=f"sqlite:///{tmp_path / 'agent-runs.db'}",
-        tickets=tickets,
-        min_kills=DENSITY_MIN_KILLS,
-    )
-    print(f"{density} ledger: {facts}")
 
 
 def test_plan_covers_every_effect_window() -> None:
