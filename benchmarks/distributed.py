@@ -6,8 +6,10 @@
    tool, then answers. Plain: a model node + ``ToolNode`` on ``PostgresSaver``. Ours:
    ``create_recovery_agent`` on ``RecoveryCheckpointer`` with the tool declared
    ``side_effect(idempotent=True)`` (ledger intent + commit per call, events), each run
-   under its thread lease in Redis (``tp.run``). Workers take thread ids from one shared
-   queue; the clock runs from the moment every worker is ready until the last thread ends.
+   under its thread lease in Redis (``tp.run``). Ours runs twice: with the default
+   ``checkpoint_density="every_step"`` and with ``"milestones"``. Workers take thread ids
+   from one shared queue; the clock runs from the moment every worker is ready until the
+   last thread ends.
 2. **Lock acquire + release latency** of our Redis lease against a bare ``SET NX PX`` +
    ``DEL`` round trip pair (the rows of ``benchmarks/locks.py``, reused).
 3. **One process, 16 concurrent async threads, one checkpointer** (LangGraph #7259:
@@ -58,6 +60,8 @@ from langchain_core.tools import StructuredTool
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_COUNTS = (1, 2, 4)
 ASYNC_TASKS = 16
+# Our agent as built by default, and with the sparsest checkpoint density.
+DENSITY = {"ours": "every_step", "ours/milestones": "milestones"}
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -125,13 +129,21 @@ def plain_graph(checkpointer: Any, steps: int) -> Any:
     return builder.compile(checkpointer=checkpointer)
 
 
-def our_agent(checkpointer: Any, leases: Any, steps: int) -> Any:
-    """The same loop on the recovery agent (whole conversation kept, as plain does)."""
+def our_agent(checkpointer: Any, leases: Any, steps: int, density: str = "every_step") -> Any:
+    """The same loop on the recovery agent (whole conversation kept, as plain does).
+
+    ``density`` is the agent's ``checkpoint_density``: ``every_step`` (the default) stores
+    every checkpoint as plain LangGraph does; ``milestones`` stores the input, milestones and
+    stops, and relies on the ledger and the recorded decisions for the steps between.
+    """
     import taskpilots_graph as tp
 
     options: dict[str, Any] = {}
-    if "memory_window" in inspect.signature(tp.create_recovery_agent).parameters:
+    parameters = inspect.signature(tp.create_recovery_agent).parameters
+    if "memory_window" in parameters:
         options["memory_window"] = None  # same state as plain: the model counts answers
+    if density != "every_step":
+        options["checkpoint_density"] = density
     return tp.create_recovery_agent(
         StepsModel(steps=steps),
         [tp.side_effect(_tool(), idempotent=True)],
@@ -171,7 +183,7 @@ def _worker(
 
                 cp = stack.enter_context(tp.RecoveryCheckpointer.from_conn_string(db, pool_size=4))
                 leases = stack.enter_context(RedisLeaseBackend(redis_url))
-                agent = our_agent(cp, leases, steps)
+                agent = our_agent(cp, leases, steps, DENSITY[mode])
 
                 def run(tid: str) -> None:
                     tp.run(agent, tid, _go())
@@ -303,7 +315,7 @@ async def async_graphs(db: str, redis_url: str, variant: str, threads: int, step
 
             else:
                 cp = _ours(pool, lock_free=not variant.endswith("LangGraph's saver"))
-                agent = our_agent(cp, leases, steps)
+                agent = our_agent(cp, leases, steps, DENSITY.get(variant, "every_step"))
 
                 async def run(tid: str) -> None:
                     await tp.arun(agent, tid, _go())
@@ -351,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=48, help="threads per worker-count run")
     parser.add_argument("--steps", type=int, default=4, help="side-effecting steps per thread")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
     parser.add_argument("--async-writes", type=int, default=200, help="aput calls per task")
     parser.add_argument("--async-threads", type=int, default=64, help="graph threads (async)")
     parser.add_argument("--lock-iterations", type=int, default=2000, help="lock samples")
@@ -382,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n1. {args.threads} threads x {args.steps} steps, worker processes", flush=True)
             for workers in WORKER_COUNTS:
                 for _ in range(args.repeats):
-                    for mode in ("plain", "ours") if workers % 2 else ("ours", "plain"):
+                    modes = ("plain", *DENSITY)
+                    for mode in modes if workers % 2 else modes[::-1]:
                         try:
                             rate = processes_run(
                                 mode, workers, db, redis_url, args.threads, args.steps
@@ -391,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
                             notes.append(f"{mode} x{workers} failed:\n{traceback.format_exc()}")
                             continue
                         rates.setdefault((mode, workers), []).append(rate)
-                        print(f"  {mode:<5} {workers} worker(s): {rate:7.1f} threads/s", flush=True)
+                        line = f"  {mode:<15} {workers} worker(s): {rate:7.1f} threads/s"
+                        print(line, flush=True)
 
         # 2. lock latency
         print(f"\n2. lock acquire + release, {args.lock_iterations} samples", flush=True)
@@ -426,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception:
                 notes.append(f"async writes {variant} failed:\n{traceback.format_exc()}")
         graphs: dict[str, float] = {}
-        for variant in ("plain langgraph", "ours", "ours over LangGraph's saver"):
+        for variant in ("plain langgraph", *DENSITY, "ours over LangGraph's saver"):
             try:
                 graphs[variant] = asyncio.run(
                     async_graphs(db, redis_url, variant, args.async_threads, args.steps)
@@ -439,12 +453,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: {note}")
     print("\n=== summary ===")
     if rates:
-        print(f"{'workers':>7} {'plain thr/s':>12} {'ours thr/s':>11} {'ours/plain':>11}")
+        print(f"{'workers':>7} {'plain thr/s':>12}" + "".join(f" {m:>22}" for m in DENSITY))
         for workers in WORKER_COUNTS:
             plain = _median(rates.get(("plain", workers), []))
-            ours = _median(rates.get(("ours", workers), []))
-            print(f"{workers:>7} {plain:>12.1f} {ours:>11.1f} {ours / plain:>10.2f}x")
-        print("  (target: ours >= 1.0x plain at every worker count)")
+            cells = []
+            for mode in DENSITY:
+                ours = _median(rates.get((mode, workers), []))
+                cells.append(f"{ours:>8.1f} thr/s {ours / plain:>6.2f}x")
+            print(f"{workers:>7} {plain:>12.1f}" + "".join(f" {c:>22}" for c in cells))
+        print("  (target: ours >= 1.0x plain at every worker count; medians of --repeats runs)")
     if lock_rows:
         by = {row.label: row for row in lock_rows}
         for row in lock_rows:

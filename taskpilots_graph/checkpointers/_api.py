@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Self, cast
@@ -28,7 +29,12 @@ from taskpilots_graph.checkpointers.artifacts import (
     prepare_artifact,
     verify_artifact,
 )
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers.base import (
+    DecisionRecord,
+    EventRecord,
+    PendingRecord,
+    prepare_event,
+)
 from taskpilots_graph.checkpointers.density import CheckpointDensity, HeldCheckpoints
 from taskpilots_graph.checkpointers.retention import Keep, PruneReport
 from taskpilots_graph.compression import (
@@ -172,13 +178,16 @@ class RecoveryAPI(DelegatingSaver):
     ) -> list[Event]:
         """Insert or compare-and-set an entry and its events in one durable transaction.
 
-        Events deferred for the entry's thread (:meth:`defer_records`) go in the same
-        transaction, before ``events``.
+        Records deferred (:meth:`defer_records`, :meth:`defer_decision`) for the entry's
+        thread and for the events' threads go in the same transaction, before ``events``:
+        an entry first written by another thread (a business key) still carries the
+        decision of the thread about to act on it.
 
         Raises:
-            LedgerConflict: If another run changed the entry first.
+            LedgerConflict: If another run changed the entry first; nothing is written and
+                the deferred records keep waiting.
         """
-        batch = [*self._take_deferred({entry.thread_id}), *events]
+        batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             return cast(list[Event], self._call("ledger_write", entry, expect=expect, events=batch))
         except BaseException:
@@ -193,7 +202,7 @@ class RecoveryAPI(DelegatingSaver):
         events: Sequence[EventRecord] = (),
     ) -> list[Event]:
         """Async form of :meth:`write_ledger`."""
-        batch = [*self._take_deferred({entry.thread_id}), *events]
+        batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             return cast(
                 list[Event], await self._acall("ledger_write", entry, expect=expect, events=batch)
@@ -219,24 +228,36 @@ class RecoveryAPI(DelegatingSaver):
         batch = self._with_deferred(records, flush)
         return cast(list[Event], await self._acall("append_events", batch)) if batch else []
 
-    # -- deferred events ---------------------------------------------------------------------
-    # Events that need no durability of their own (pure tool calls, step summaries) wait in
-    # memory and ride along with the thread's next durable write, so a side-effecting step
-    # costs exactly its two ledger writes. A crash loses only deferred events; ledger facts
-    # and their events are always written in their own transaction.
+    # -- deferred records --------------------------------------------------------------------
+    # Records that need no durability of their own wait in memory and ride along with the
+    # thread's next durable write: events of pure tool calls and step summaries, and the
+    # model decision a step acts on (needed on disk before its first side effect, so it goes
+    # in the ledger intent's transaction). A side-effecting step then costs exactly its two
+    # ledger writes. A crash loses only deferred records, and a lost decision led to no
+    # effect; ledger facts and their events are always written in their own transaction.
 
-    def defer_records(self, records: Sequence[EventRecord]) -> None:
-        """Keep events until the thread's next durable write."""
+    def defer_records(self, records: Sequence[PendingRecord]) -> None:
+        """Keep events (or decisions) until the thread's next durable write."""
         if records:
             with self._deferred_lock():
                 for record in records:
                     self._deferred().setdefault(record.thread_id, []).append(record)
 
-    def _deferred(self) -> dict[str, list[EventRecord]]:
-        pending: dict[str, list[EventRecord]] | None = self.__dict__.get("_pending_events")
+    def _deferred(self) -> dict[str, list[PendingRecord]]:
+        pending: dict[str, list[PendingRecord]] | None = self.__dict__.get("_pending_events")
         if pending is None:
             pending = self.__dict__.setdefault("_pending_events", {})
         return pending
+
+    def _deferred_decision(self, thread_id: str, checkpoint_ns: str, digest: str) -> str | None:
+        with self._deferred_lock():
+            for record in self._deferred().get(thread_id, ()):
+                if isinstance(record, DecisionRecord) and (
+                    record.checkpoint_ns,
+                    record.input_digest,
+                ) == (checkpoint_ns, digest):
+                    return record.message
+        return None
 
     def _deferred_lock(self) -> threading.Lock:
         lock: threading.Lock | None = self.__dict__.get("_pending_lock")
@@ -244,31 +265,33 @@ class RecoveryAPI(DelegatingSaver):
             lock = self.__dict__.setdefault("_pending_lock", threading.Lock())
         return lock
 
-    def _take_deferred(self, thread_ids: set[str]) -> list[EventRecord]:
+    def _take_deferred(self, thread_ids: set[str]) -> list[PendingRecord]:
         with self._deferred_lock():
             pending = self._deferred()
             return [r for t in sorted(thread_ids) for r in pending.pop(t, [])]
 
-    def _restore_deferred(self, records: Sequence[EventRecord]) -> None:
+    def _restore_deferred(self, records: Sequence[PendingRecord]) -> None:
         with self._deferred_lock():
             for record in reversed(records):
                 self._deferred().setdefault(record.thread_id, []).insert(0, record)
 
     def _with_deferred(
         self, records: Sequence[EventRecord], flush: str | None
-    ) -> list[EventRecord]:
+    ) -> list[PendingRecord]:
         threads = {r.thread_id for r in records} | ({flush} if flush else set())
         return [*self._take_deferred(threads), *records] if threads else list(records)
 
     # -- model decisions ---------------------------------------------------------------------
 
     def decision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        """A model decision recorded for exactly this input (serialised message), if any."""
-        return cast(str | None, self._call("decision_get", thread_id, checkpoint_ns, input_digest))
+        """A model decision recorded (or deferred) for exactly this input, if any."""
+        return self._deferred_decision(thread_id, checkpoint_ns, input_digest) or cast(
+            str | None, self._call("decision_get", thread_id, checkpoint_ns, input_digest)
+        )
 
     async def adecision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         """Async form of :meth:`decision`."""
-        return cast(
+        return self._deferred_decision(thread_id, checkpoint_ns, input_digest) or cast(
             str | None, await self._acall("decision_get", thread_id, checkpoint_ns, input_digest)
         )
 
@@ -284,12 +307,24 @@ class RecoveryAPI(DelegatingSaver):
         """Async form of :meth:`record_decision`."""
         await self._acall("decision_put", thread_id, checkpoint_ns, input_digest, message)
 
+    def defer_decision(
+        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
+    ) -> None:
+        """Record a model decision with the thread's next durable write (a ledger intent).
+
+        Readers in this process see it at once (:meth:`decision`).
+        """
+        now = time.time()
+        self.defer_records([DecisionRecord(thread_id, checkpoint_ns, input_digest, message, now)])
+
     def forget_decisions(self, thread_id: str, *, since: float) -> int:
         """Forget the thread's model decisions recorded after ``since`` (used by rewind)."""
+        self.append_records([], flush=thread_id)  # deferred ones are forgotten too
         return cast(int, self._call("decision_forget", thread_id, since))
 
     async def aforget_decisions(self, thread_id: str, *, since: float) -> int:
         """Async form of :meth:`forget_decisions`."""
+        await self.aappend_records([], flush=thread_id)
         return cast(int, await self._acall("decision_forget", thread_id, since))
 
     # -- event compaction --------------------------------------------------------------------
@@ -488,3 +523,7 @@ class RecoveryAPI(DelegatingSaver):
         await self._acall("delete_thread", thread_id)
         if self.artifact_store is not None:
             await asyncio.to_thread(self.artifact_store.delete_artifacts, thread_id)
+
+
+def _threads(entry: LedgerEntry, events: Sequence[EventRecord]) -> set[str]:
+    return {entry.thread_id, *(event.thread_id for event in events)}

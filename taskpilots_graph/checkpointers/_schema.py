@@ -26,6 +26,7 @@ __all__ = [
     "SELECT_VERSION",
     "SETUP_LOCK_KEY",
     "Dialect",
+    "write_pg",
 ]
 
 Dialect = Literal["sqlite", "postgres"]
@@ -202,6 +203,7 @@ SETUP_LOCK_KEY: Final = 0x7461736B70696C  # "taskpil"
 # The per-thread sequence is assigned inside the insert itself. SQLite serialises writers on
 # the database, so MAX()+1 in one statement is race-free; PostgreSQL does not, so a counter
 # row per thread (locked by the upsert) hands out the numbers.
+# SQLite appends one event per statement; PostgreSQL a thread's events at once (write_pg).
 APPEND_EVENT: Final[dict[Dialect, str]] = {
     "sqlite": """
         INSERT INTO taskpilots_events
@@ -210,20 +212,48 @@ APPEND_EVENT: Final[dict[Dialect, str]] = {
         FROM taskpilots_events WHERE thread_id = ?
         RETURNING seq
     """,
-    "postgres": """
-        WITH next AS (
-            INSERT INTO taskpilots_event_seq AS s (thread_id, last_seq) VALUES (%(thread_id)s, 1)
-            ON CONFLICT (thread_id) DO UPDATE SET last_seq = s.last_seq + 1
-            RETURNING last_seq
-        )
+}
+
+
+def write_pg(ledger_statement: str | None) -> str:
+    """One thread's events and decisions, after ``ledger_statement`` (a ledger insert or
+    compare-and-set update) if given, as one PostgreSQL statement: one round trip and no
+    BEGIN/COMMIT, atomic as every statement is. Nothing is written unless the entry is.
+    Returns the number of entries written (1 without a ledger statement) and the events'
+    seqs in order.
+
+    Parameters besides the entry's: ``_t`` (the thread), ``_n`` and ``_events`` (a JSON
+    array of ``[kind, ts, checkpoint_ns, checkpoint_id, payload]``), ``_decisions`` (a JSON
+    array of ``[checkpoint_ns, input_digest, message, created_at]``).
+    """
+    entry = "SELECT 1" if ledger_statement is None else f"{ledger_statement} RETURNING 1"
+    return f"""
+    WITH w AS ({entry}),
+    d AS (
+        INSERT INTO taskpilots_decisions
+            (thread_id, checkpoint_ns, input_digest, message, created_at)
+        SELECT %(_t)s, d.v->>0, d.v->>1, d.v->>2, (d.v->>3)::float8
+        FROM jsonb_array_elements(%(_decisions)s::jsonb) AS d(v)
+        WHERE EXISTS (SELECT 1 FROM w)
+        ON CONFLICT (thread_id, checkpoint_ns, input_digest) DO NOTHING
+    ),
+    next AS (
+        INSERT INTO taskpilots_event_seq AS s (thread_id, last_seq)
+        SELECT %(_t)s, %(_n)s WHERE %(_n)s > 0 AND EXISTS (SELECT 1 FROM w)
+        ON CONFLICT (thread_id) DO UPDATE SET last_seq = s.last_seq + %(_n)s
+        RETURNING last_seq
+    ),
+    ev AS (
         INSERT INTO taskpilots_events
             (thread_id, seq, kind, ts, checkpoint_ns, checkpoint_id, payload)
-        SELECT %(thread_id)s, last_seq, %(kind)s, %(ts)s, %(checkpoint_ns)s,
-               %(checkpoint_id)s, %(payload)s::jsonb
-        FROM next
+        SELECT %(_t)s, next.last_seq - %(_n)s + e.ord, e.v->>0, (e.v->>1)::float8,
+               e.v->>2, e.v->>3, e.v->4
+        FROM next, jsonb_array_elements(%(_events)s::jsonb) WITH ORDINALITY AS e(v, ord)
         RETURNING seq
-    """,
-}
+    )
+    SELECT (SELECT count(*) FROM w), ARRAY(SELECT seq FROM ev ORDER BY seq)
+    """
+
 
 SELECT_EVENTS: Final[dict[Dialect, str]] = {
     "sqlite": """

@@ -31,7 +31,9 @@ __all__ = [
     "SQLITE_BUSY_TIMEOUT_S",
     "AsyncRecoveryStore",
     "ConnTarget",
+    "DecisionRecord",
     "EventRecord",
+    "PendingRecord",
     "RecoveryStore",
     "enable_wal",
     "parse_conn_string",
@@ -149,6 +151,35 @@ class EventRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """A model decision waiting to be written with its thread's next durable write.
+
+    The act node needs a decision on disk before the first side effect it leads to, not
+    before: riding in the ledger intent's transaction, it costs no commit of its own.
+    """
+
+    thread_id: str
+    checkpoint_ns: str
+    input_digest: str
+    message: str
+    created_at: float
+
+    def params(self) -> dict[str, Any]:
+        """Parameters of the decision insert (``LEDGER["decision_put"]``)."""
+        return {
+            "thread_id": self.thread_id,
+            "checkpoint_ns": self.checkpoint_ns,
+            "input_digest": self.input_digest,
+            "message": self.message,
+            "created_at": self.created_at,
+        }
+
+
+PendingRecord = EventRecord | DecisionRecord
+"""What a store writes in one transaction beside a ledger entry: events and decisions."""
+
+
 def prepare_event(
     thread_id: str,
     kind: EventKind | str,
@@ -216,8 +247,8 @@ class RecoveryStore(Protocol):
         Idempotent, and safe when several processes call it at once.
         """
 
-    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
-        """Append events in one transaction; durable when it returns."""
+    def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
+        """Append events (and write decisions) in one transaction; durable on return."""
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
@@ -233,11 +264,11 @@ class RecoveryStore(Protocol):
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         """Insert (``expect=None``) or compare-and-set update an entry, with its events.
 
-        Entry and events commit in one transaction, durable on return.
+        Entry, events and decisions commit in one transaction, durable on return.
 
         Raises:
             LedgerConflict: If the key exists (insert) or its (status, attempt) moved on.
@@ -283,8 +314,8 @@ class AsyncRecoveryStore(Protocol):
     async def setup(self, inner_setup: Callable[[], Awaitable[None]] | None = None) -> None:
         """Async twin of :meth:`RecoveryStore.setup`."""
 
-    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
-        """Append events in one transaction; durable when it returns."""
+    async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
+        """Append events (and write decisions) in one transaction; durable on return."""
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
@@ -300,7 +331,7 @@ class AsyncRecoveryStore(Protocol):
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         """Async twin of :meth:`RecoveryStore.ledger_write`."""
 

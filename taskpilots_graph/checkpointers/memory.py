@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
-from taskpilots_graph.checkpointers.base import EventRecord
+from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
@@ -39,15 +39,18 @@ class MemoryStore:
         if inner_setup is not None:
             inner_setup()
 
-    def _append(self, records: Sequence[EventRecord]) -> list[Event]:
+    def _append(self, records: Sequence[PendingRecord]) -> list[Event]:
         stored = []
         for record in records:
+            if isinstance(record, DecisionRecord):
+                self._decide(record)
+                continue
             log = self._events.setdefault(record.thread_id, [])
             log.append(record.to_event(len(log) + 1))
             stored.append(log[-1])
         return stored
 
-    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+    def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         with self._lock:
             return self._append(records)
 
@@ -73,7 +76,7 @@ class MemoryStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         entry_params(entry)  # same validation as the SQL stores
         with self._lock:
@@ -96,11 +99,15 @@ class MemoryStore:
     def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
+        record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
         with self._lock:
-            key = (thread_id, checkpoint_ns, input_digest)
-            if key not in self._decisions:
-                self._decisions[key] = message
-                self._decided_at[key] = time.time()
+            self._decide(record)
+
+    def _decide(self, record: DecisionRecord) -> None:
+        key = (record.thread_id, record.checkpoint_ns, record.input_digest)
+        if key not in self._decisions:
+            self._decisions[key] = record.message
+            self._decided_at[key] = record.created_at
 
     def decision_forget(self, thread_id: str, since: float) -> int:
         with self._lock:
@@ -152,7 +159,7 @@ class AsyncMemoryStore:
         if inner_setup is not None:
             await inner_setup()
 
-    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+    async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         return self.sync.append_events(records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
@@ -169,7 +176,7 @@ class AsyncMemoryStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         return self.sync.ledger_write(entry, expect=expect, events=events)
 

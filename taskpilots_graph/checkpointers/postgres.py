@@ -10,6 +10,7 @@ default says.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import weakref
@@ -33,7 +34,12 @@ from taskpilots_graph.checkpointers.artifacts import (
     PreparedArtifact,
     stored_bytes,
 )
-from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
+from taskpilots_graph.checkpointers.base import (
+    DecisionRecord,
+    EventRecord,
+    PendingRecord,
+    rows_to_events,
+)
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -67,17 +73,6 @@ def _pending(current: int) -> list[tuple[int, str]]:
     return [(v, sql.MIGRATIONS[_D][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
 
 
-def _append_params(record: EventRecord) -> dict[str, Any]:
-    return {
-        "thread_id": record.thread_id,
-        "kind": record.kind.value,
-        "ts": record.ts,
-        "checkpoint_ns": record.checkpoint_ns,
-        "checkpoint_id": record.checkpoint_id,
-        "payload": record.payload,
-    }
-
-
 _TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
 _UNLOCK = "SELECT pg_advisory_unlock(%s)"
 
@@ -98,20 +93,87 @@ def _check_deadline(deadline: float) -> None:
         )
 
 
-def _append_all(cur: Any, records: Sequence[EventRecord]) -> list[Event]:
-    return [
-        record.to_event(cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()[0])
-        for record in records
-    ]
+def _events_json(records: Sequence[EventRecord]) -> str:
+    # One JSON text rather than arrays: psycopg adapts a list element by element in Python,
+    # and the payloads are JSON already (spliced in, not encoded again).
+    rows = ",".join(
+        f"[{json.dumps(r.kind.value)},{r.ts!r},{json.dumps(r.checkpoint_ns)},"
+        f"{json.dumps(r.checkpoint_id)},{r.payload}]"
+        for r in records
+    )
+    return f"[{rows}]"
 
 
-async def _aappend_all(cur: Any, records: Sequence[EventRecord]) -> list[Event]:
-    stored = []
+# One statement per thread: its events and decisions, after a ledger write or on their own.
+_WRITES: Final = {
+    statement: sql.write_pg(statement) for statement in (None, _LEDGER["insert"], _LEDGER["update"])
+}
+
+
+def _by_thread(records: Sequence[PendingRecord]) -> dict[str, list[PendingRecord]]:
+    groups: dict[str, list[PendingRecord]] = {}
     for record in records:
-        await cur.execute(sql.APPEND_EVENT[_D], _append_params(record))
-        (seq,) = await cur.fetchone()
-        stored.append(record.to_event(seq))
+        groups.setdefault(record.thread_id, []).append(record)
+    return groups
+
+
+def _write(
+    ledger_statement: str | None,
+    params: dict[str, Any],
+    thread_id: str,
+    records: Sequence[PendingRecord],
+) -> tuple[str, dict[str, Any], list[EventRecord]]:
+    """The statement writing one thread's ``records`` (after the ledger write, if any)."""
+    events = [r for r in records if isinstance(r, EventRecord)]
+    decisions = [
+        [r.checkpoint_ns, r.input_digest, r.message, r.created_at]
+        for r in records
+        if isinstance(r, DecisionRecord)
+    ]
+    combined = {
+        **params,
+        "_t": thread_id,
+        "_n": len(events),
+        "_events": _events_json(events),
+        "_decisions": json.dumps(decisions),
+    }
+    return _WRITES[ledger_statement], combined, events
+
+
+def _written(key: str | None, row: Any, events: Sequence[EventRecord]) -> list[Event]:
+    count, seqs = row
+    if count != 1:
+        assert key is not None  # only a ledger write can write nothing
+        raise LedgerConflict(key)
+    return [record.to_event(seq) for record, seq in zip(events, seqs, strict=True)]
+
+
+def _append_all(cur: Any, records: Sequence[PendingRecord]) -> list[Event]:
+    stored: list[Event] = []
+    for thread_id, group in _by_thread(records).items():
+        statement, params, events = _write(None, {}, thread_id, group)
+        stored += _written(None, cur.execute(statement, params).fetchone(), events)
     return stored
+
+
+async def _aappend_all(cur: Any, records: Sequence[PendingRecord]) -> list[Event]:
+    stored: list[Event] = []
+    for thread_id, group in _by_thread(records).items():
+        statement, params, events = _write(None, {}, thread_id, group)
+        await cur.execute(statement, params)
+        stored += _written(None, await cur.fetchone(), events)
+    return stored
+
+
+def _one_statement(
+    statement: str, params: dict[str, Any], records: Sequence[PendingRecord]
+) -> tuple[str, dict[str, Any], list[EventRecord]] | None:
+    """The ledger write and ``records`` as one statement, when they are of one thread."""
+    groups = _by_thread(records)
+    if len(groups) > 1:
+        return None  # rare (a business key of another thread): one transaction instead
+    thread_id, group = next(iter(groups.items()), ("", []))
+    return _write(statement, params, thread_id, group)
 
 
 def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
@@ -147,8 +209,9 @@ class PostgresStore:
                 yield self.conn
 
     @contextmanager
-    def _transaction(self, *, write: bool = True) -> Iterator[Any]:
-        # Reads run as single autocommit statements: no BEGIN/SET/COMMIT round trips.
+    def _transaction(self, *, write: bool = True, begin: bool = True) -> Iterator[Any]:
+        # Reads, and writes made of one statement (``begin=False``), run as single
+        # autocommit statements: no BEGIN/COMMIT round trips.
         try:
             with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
                 if not write:
@@ -157,6 +220,9 @@ class PostgresStore:
                 if conn not in _durable:
                     cur.execute(_DURABLE)
                     _durable.add(conn)
+                if not begin:
+                    yield cur
+                    return
                 with conn.transaction():
                     yield cur
         except errors.UndefinedTable as exc:
@@ -199,8 +265,9 @@ class PostgresStore:
             finally:
                 self.lock.acquire()
 
-    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
-        with self._transaction() as cur:
+    def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
+        # One thread's records are one statement: no transaction block needed around it.
+        with self._transaction(begin=len(_by_thread(records)) > 1) as cur:
             return _append_all(cur, records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
@@ -231,9 +298,12 @@ class PostgresStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
+        if (one := _one_statement(statement, params, events)) is not None:
+            with self._transaction(begin=False) as cur:
+                return _written(entry.key, cur.execute(one[0], one[1]).fetchone(), one[2])
         with self._transaction() as cur:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
@@ -312,7 +382,7 @@ class AsyncPostgresStore:
                 yield self.conn
 
     @asynccontextmanager
-    async def _transaction(self, *, write: bool = True) -> AsyncIterator[Any]:
+    async def _transaction(self, *, write: bool = True, begin: bool = True) -> AsyncIterator[Any]:
         try:
             async with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
                 if not write:
@@ -321,6 +391,9 @@ class AsyncPostgresStore:
                 if conn not in _durable:
                     await cur.execute(_DURABLE)
                     _durable.add(conn)
+                if not begin:
+                    yield cur
+                    return
                 async with conn.transaction():
                     yield cur
         except errors.UndefinedTable as exc:
@@ -356,8 +429,8 @@ class AsyncPostgresStore:
             finally:
                 await self.lock.acquire()
 
-    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
-        async with self._transaction() as cur:
+    async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
+        async with self._transaction(begin=len(_by_thread(records)) > 1) as cur:
             return await _aappend_all(cur, records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
@@ -391,9 +464,13 @@ class AsyncPostgresStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
+        if (one := _one_statement(statement, params, events)) is not None:
+            async with self._transaction(begin=False) as cur:
+                await cur.execute(one[0], one[1])
+                return _written(entry.key, await cur.fetchone(), one[2])
         async with self._transaction() as cur:
             await cur.execute(statement, params)
             if cur.rowcount != 1:

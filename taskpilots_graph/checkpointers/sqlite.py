@@ -28,7 +28,12 @@ from taskpilots_graph.checkpointers.artifacts import (
     PreparedArtifact,
     stored_bytes,
 )
-from taskpilots_graph.checkpointers.base import EventRecord, rows_to_events
+from taskpilots_graph.checkpointers.base import (
+    DecisionRecord,
+    EventRecord,
+    PendingRecord,
+    rows_to_events,
+)
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import LedgerConflict, MigrationError
 from taskpilots_graph.events import Event
@@ -78,16 +83,23 @@ def _artifact_key(artifact: PreparedArtifact) -> dict[str, Any]:
     return {"id": artifact.ref.id, "thread_id": artifact.thread_id}
 
 
-def _append_all(cur: sqlite3.Cursor, records: Sequence[EventRecord]) -> list[Event]:
-    return [
-        record.to_event(cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()[0])
-        for record in records
-    ]
-
-
-async def _aappend_all(conn: Any, records: Sequence[EventRecord]) -> list[Event]:
+def _append_all(cur: sqlite3.Cursor, records: Sequence[PendingRecord]) -> list[Event]:
     stored = []
     for record in records:
+        if isinstance(record, DecisionRecord):
+            cur.execute(_LEDGER["decision_put"], record.params())
+        else:
+            seq = cur.execute(sql.APPEND_EVENT[_D], _append_params(record)).fetchone()[0]
+            stored.append(record.to_event(seq))
+    return stored
+
+
+async def _aappend_all(conn: Any, records: Sequence[PendingRecord]) -> list[Event]:
+    stored = []
+    for record in records:
+        if isinstance(record, DecisionRecord):
+            await conn.execute(_LEDGER["decision_put"], record.params())
+            continue
         async with conn.execute(sql.APPEND_EVENT[_D], _append_params(record)) as cur:
             (seq,) = await cur.fetchone()
         stored.append(record.to_event(seq))
@@ -141,7 +153,7 @@ class SqliteStore:
         with self._cursor():
             pass
 
-    def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+    def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         with self._cursor() as cur:
             return _append_all(cur, records)
 
@@ -173,7 +185,7 @@ class SqliteStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         with self._cursor() as cur:
@@ -268,7 +280,7 @@ class AsyncSqliteStore:
         async with self.lock:
             await self._ready()
 
-    async def append_events(self, records: Sequence[EventRecord]) -> list[Event]:
+    async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         async with self._transaction() as conn:
             return await _aappend_all(conn, records)
 
@@ -315,7 +327,7 @@ class AsyncSqliteStore:
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
+        events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
         async with self._transaction() as conn:

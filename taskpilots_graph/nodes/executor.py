@@ -340,16 +340,28 @@ class RecoveryExecutor:
             if found is not None:
                 item.ctx = replace(item.ctx, previous=found)
 
-    def _needs_decision_record(self, step: _Step) -> bool:
-        # With durability "sync" the checkpoint holding the model's message is on disk before
-        # this node runs. Otherwise it may not be, and a crash would make the model decide
-        # again with new tool-call ids (new keys): record the decision so that the think node
-        # replays it instead.
+    def _decision_record(
+        self, state: Mapping[str, Any], step: _Step
+    ) -> tuple[str, str, str, str] | None:
+        """(thread, namespace, input digest, message) of the decision to record, if any.
+
+        With durability "sync" the checkpoint holding the model's message is on disk before
+        this node runs. Otherwise it may not be, and a crash would make the model decide
+        again with new tool-call ids (new keys): the decision is recorded so that the think
+        node replays it instead. When checkpoints are skipped (``record_all_decisions``),
+        every decision is recorded, so that a replayed step repeats the same calls.
+
+        A decision that leads to a side effect need only be on disk before the effect, so
+        the drivers defer it into the ledger intent's transaction; others are written at once.
+        """
         if not step.first_time:
-            return False
-        if self.record_all_decisions:
-            return True
-        return step.ctx.durability != "sync" and any(c.ctx.spec is not None for c in step.calls)
+            return None
+        if not self.record_all_decisions and (
+            step.ctx.durability == "sync" or not _has_side_effect(step)
+        ):
+            return None
+        digest = messages_digest(_before(state["messages"], step.ai))
+        return step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai)
 
     def _settle(
         self, item: _Call, outcome: CallOutcome, artifacts: list[CompressedObservation]
@@ -510,9 +522,9 @@ class RecoveryExecutor:
         if step is None:
             return {}
         cp = self.checkpointer
-        if self._needs_decision_record(step):
-            digest = messages_digest(_before(state["messages"], step.ai))
-            cp.record_decision(step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai))
+        decision = self._decision_record(state, step)
+        if decision is not None:
+            (cp.defer_decision if _has_side_effect(step) else cp.record_decision)(*decision)
         if step.replayed:
             self._attach_previous(step, cp.events(step.ctx.thread_id))
         outcomes = []
@@ -619,11 +631,12 @@ class RecoveryExecutor:
         if step is None:
             return {}
         cp = self.checkpointer
-        if self._needs_decision_record(step):
-            digest = messages_digest(_before(state["messages"], step.ai))
-            await cp.arecord_decision(
-                step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai)
-            )
+        decision = self._decision_record(state, step)
+        if decision is not None:
+            if _has_side_effect(step):
+                cp.defer_decision(*decision)
+            else:
+                await cp.arecord_decision(*decision)
         if step.replayed:
             self._attach_previous(step, await cp.aevents(step.ctx.thread_id))
         outcomes = []
@@ -737,6 +750,10 @@ def _count(new: list[str], seen: Mapping[str, int]) -> Mapping[str, int]:
     for signature in new:
         counts[signature] = counts.get(signature, 0) + 1
     return counts
+
+
+def _has_side_effect(step: _Step) -> bool:
+    return any(c.ctx.spec is not None for c in step.calls)
 
 
 def _before(messages: Sequence[BaseMessage], ai: AIMessage) -> list[BaseMessage]:
