@@ -9,7 +9,9 @@ The tests look from outside the library (a separate connection) while the side e
 the decision and the intent must both be there. Then the edges: a refused ledger write
 writes none of what rode with it and keeps it waiting; records of two threads fall back to
 one transaction; a deferred decision is visible to readers at once and is forgotten by a
-rewind. Every test runs on a real SQLite file and a real PostgreSQL database.
+rewind. Under a thread's lease, the decisions recorded for the thread are read once per run
+instead of once per model call, and a recorded decision is still replayed. Every test runs
+on a real SQLite file and a real PostgreSQL database.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import StructuredTool
 
 from taskpilots_graph import (
@@ -32,10 +35,13 @@ from taskpilots_graph import (
     RecoveryCheckpointer,
     create_recovery_agent,
     current_invocation,
+    run,
     side_effect,
 )
 from taskpilots_graph.checkpointers.base import prepare_event
 from taskpilots_graph.ledger import args_digest
+from taskpilots_graph.locks import MemoryLeaseBackend
+from taskpilots_graph.nodes._context import dump_message, messages_digest
 from taskpilots_graph.testing import ScriptedModel
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -171,3 +177,45 @@ def test_rewind_forgets_deferred_decisions_too(cp: RecoveryCheckpointer) -> None
 
     assert cp.forget_decisions(thread_id, since=0.0) == 1
     assert cp.decision(thread_id, "", "digest-3") is None
+
+
+def test_under_the_lease_recorded_inputs_are_read_once_and_a_recorded_decision_replays(
+    cp: RecoveryCheckpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    charged: list[str] = []
+
+    def charge(order: str) -> str:
+        """Charge an order."""
+        charged.append(order)
+        return f"charged {order}"
+
+    # What an earlier run decided on this very input before it crashed, its checkpoint lost:
+    # a call the scripted model would never make.
+    goal = HumanMessage("charge")
+    recorded = AIMessage(
+        "", tool_calls=[{"name": "charge", "args": {"order": "from-record"}, "id": "call_rec"}]
+    )
+    thread_id = f"t-{uuid.uuid4().hex[:8]}"
+    cp.record_decision(thread_id, "", messages_digest([goal]), dump_message(recorded))
+
+    reads: list[str] = []
+    store_call = cp._call
+
+    def counting(method: str, *args: Any, **kwargs: Any) -> Any:
+        reads.append(method)
+        return store_call(method, *args, **kwargs)
+
+    monkeypatch.setattr(cp, "_call", counting)
+    plan = [("charge", {"order": f"o-{i}"}) for i in range(4)]
+    agent = create_recovery_agent(
+        ScriptedModel(plan=plan),
+        [side_effect(StructuredTool.from_function(charge), idempotent=True)],
+        checkpointer=cp,
+        leases=MemoryLeaseBackend(),
+    )
+    run(agent, thread_id, {"messages": [goal]})
+
+    assert charged[0] == "from-record"  # replayed, not decided anew
+    assert charged[1:] == ["o-1", "o-2", "o-3"]  # the recorded call counts as the first
+    assert reads.count("decision_digests") == 1  # one read for the whole run ...
+    assert reads.count("decision_get") == 1  # ... and one for the input that has a record

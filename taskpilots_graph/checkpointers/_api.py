@@ -15,6 +15,7 @@ import asyncio
 import copy
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Self, cast
@@ -45,7 +46,8 @@ from taskpilots_graph.compression import (
 from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
 from taskpilots_graph.events import Event, EventKind, mark_superseded
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.hold import current_thread_hold
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
 
@@ -85,6 +87,7 @@ class RecoveryAPI(DelegatingSaver):
             return self
         self._deferred()  # created now, so that the view shares them
         self._deferred_lock()
+        self._inputs_by_hold()
         view = copy.copy(self)
         view.held = HeldCheckpoints(density)
         return view
@@ -284,14 +287,33 @@ class RecoveryAPI(DelegatingSaver):
     # -- model decisions ---------------------------------------------------------------------
 
     def decision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        """A model decision recorded (or deferred) for exactly this input, if any."""
-        return self._deferred_decision(thread_id, checkpoint_ns, input_digest) or cast(
-            str | None, self._call("decision_get", thread_id, checkpoint_ns, input_digest)
-        )
+        """A model decision recorded (or deferred) for exactly this input, if any.
+
+        Under the thread's lease (``tp.run``, ``resume``, ...) the thread's recorded inputs
+        are read once per lease tenure, and only a known input is looked up: nobody else
+        records decisions for a thread while its lease is held.
+        """
+        found = self._deferred_decision(thread_id, checkpoint_ns, input_digest)
+        if found is not None:
+            return found
+        if self._inputs_unknown(thread_id, checkpoint_ns):
+            digests = self._call("decision_digests", thread_id, checkpoint_ns)
+            self._remember_inputs(thread_id, checkpoint_ns, digests)
+        if not self._may_be_recorded(thread_id, checkpoint_ns, input_digest):
+            return None
+        return cast(str | None, self._call("decision_get", thread_id, checkpoint_ns, input_digest))
 
     async def adecision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         """Async form of :meth:`decision`."""
-        return self._deferred_decision(thread_id, checkpoint_ns, input_digest) or cast(
+        found = self._deferred_decision(thread_id, checkpoint_ns, input_digest)
+        if found is not None:
+            return found
+        if self._inputs_unknown(thread_id, checkpoint_ns):
+            digests = await self._acall("decision_digests", thread_id, checkpoint_ns)
+            self._remember_inputs(thread_id, checkpoint_ns, digests)
+        if not self._may_be_recorded(thread_id, checkpoint_ns, input_digest):
+            return None
+        return cast(
             str | None, await self._acall("decision_get", thread_id, checkpoint_ns, input_digest)
         )
 
@@ -300,12 +322,14 @@ class RecoveryAPI(DelegatingSaver):
     ) -> None:
         """Record a model decision durably; the first record for an input wins."""
         self._call("decision_put", thread_id, checkpoint_ns, input_digest, message)
+        self._note_input(thread_id, checkpoint_ns, input_digest)
 
     async def arecord_decision(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Async form of :meth:`record_decision`."""
         await self._acall("decision_put", thread_id, checkpoint_ns, input_digest, message)
+        self._note_input(thread_id, checkpoint_ns, input_digest)
 
     def defer_decision(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
@@ -316,16 +340,61 @@ class RecoveryAPI(DelegatingSaver):
         """
         now = time.time()
         self.defer_records([DecisionRecord(thread_id, checkpoint_ns, input_digest, message, now)])
+        self._note_input(thread_id, checkpoint_ns, input_digest)
 
     def forget_decisions(self, thread_id: str, *, since: float) -> int:
         """Forget the thread's model decisions recorded after ``since`` (used by rewind)."""
         self.append_records([], flush=thread_id)  # deferred ones are forgotten too
+        self._forget_inputs(thread_id)
         return cast(int, self._call("decision_forget", thread_id, since))
 
     async def aforget_decisions(self, thread_id: str, *, since: float) -> int:
         """Async form of :meth:`forget_decisions`."""
         await self.aappend_records([], flush=thread_id)
+        self._forget_inputs(thread_id)
         return cast(int, await self._acall("decision_forget", thread_id, since))
+
+    # The inputs with a recorded decision, per lease tenure: while a run holds its thread's
+    # lease nobody else records decisions for the thread, so one read at the first lookup
+    # spares a read per model call. Keyed by the hold (weakly): a new tenure reads again.
+
+    def _inputs_by_hold(self) -> weakref.WeakKeyDictionary[object, dict[str, set[str]]]:
+        memo: weakref.WeakKeyDictionary[object, dict[str, set[str]]] | None = self.__dict__.get(
+            "_decision_inputs"
+        )
+        if memo is None:
+            memo = self.__dict__.setdefault("_decision_inputs", weakref.WeakKeyDictionary())
+        return memo
+
+    def _tenure(self, thread_id: str) -> object | None:
+        hold = current_thread_hold()
+        return hold if hold is not None and hold.name == thread_lease_name(thread_id) else None
+
+    def _inputs_unknown(self, thread_id: str, checkpoint_ns: str) -> bool:
+        tenure = self._tenure(thread_id)
+        return tenure is not None and checkpoint_ns not in self._inputs_by_hold().get(tenure, {})
+
+    def _remember_inputs(self, thread_id: str, checkpoint_ns: str, digests: Iterable[str]) -> None:
+        tenure = self._tenure(thread_id)
+        if tenure is not None:
+            known = self._inputs_by_hold().setdefault(tenure, {})
+            known.setdefault(checkpoint_ns, set()).update(digests)
+
+    def _may_be_recorded(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> bool:
+        tenure = self._tenure(thread_id)
+        known = None if tenure is None else self._inputs_by_hold().get(tenure, {})
+        return known is None or input_digest in known.get(checkpoint_ns, {input_digest})
+
+    def _note_input(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> None:
+        tenure = self._tenure(thread_id)
+        known = None if tenure is None else self._inputs_by_hold().get(tenure, {})
+        if known is not None and checkpoint_ns in known:
+            known[checkpoint_ns].add(input_digest)
+
+    def _forget_inputs(self, thread_id: str) -> None:
+        tenure = self._tenure(thread_id)
+        if tenure is not None:
+            self._inputs_by_hold().pop(tenure, None)
 
     # -- event compaction --------------------------------------------------------------------
 

@@ -306,6 +306,8 @@ def _ledger_sql(dialect: Dialect) -> dict[str, str]:
         "decision_get": "SELECT message FROM taskpilots_decisions WHERE "
         f"thread_id = {p('thread_id')} AND checkpoint_ns = {p('checkpoint_ns')} "
         f"AND input_digest = {p('input_digest')}",
+        "decision_digests": "SELECT input_digest FROM taskpilots_decisions WHERE "
+        f"thread_id = {p('thread_id')} AND checkpoint_ns = {p('checkpoint_ns')}",
         "decision_put": "INSERT INTO taskpilots_decisions "
         "(thread_id, checkpoint_ns, input_digest, message, created_at) VALUES ("
         + _placeholders(

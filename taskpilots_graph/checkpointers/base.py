@@ -280,6 +280,9 @@ class RecoveryStore(Protocol):
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         """A model decision recorded for exactly this input, if any."""
 
+    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        """The input digests of every decision recorded for the thread and namespace."""
+
     def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
@@ -342,6 +345,9 @@ class AsyncRecoveryStore(Protocol):
         self, thread_id: str, checkpoint_ns: str, input_digest: str
     ) -> str | None:
         """A model decision recorded for exactly this input, if any."""
+
+    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        """The input digests of every decision recorded for the thread and namespace."""
 
     async def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str

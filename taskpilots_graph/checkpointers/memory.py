@@ -96,6 +96,10 @@ class MemoryStore:
         with self._lock:
             return self._decisions.get((thread_id, checkpoint_ns, input_digest))
 
+    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        with self._lock:
+            return [d for t, ns, d in self._decisions if (t, ns) == (thread_id, checkpoint_ns)]
+
     def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
@@ -187,6 +191,9 @@ class AsyncMemoryStore:
         self, thread_id: str, checkpoint_ns: str, input_digest: str
     ) -> str | None:
         return self.sync.decision_get(thread_id, checkpoint_ns, input_digest)
+
+    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        return self.sync.decision_digests(thread_id, checkpoint_ns)
 
     async def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str

@@ -321,6 +321,11 @@ class PostgresStore:
             row = cur.execute(_LEDGER["decision_get"], params).fetchone()
         return None if row is None else str(row[0])
 
+    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
+        with self._transaction(write=False) as cur:
+            return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
+
     def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
@@ -492,6 +497,12 @@ class AsyncPostgresStore:
             await cur.execute(_LEDGER["decision_get"], params)
             row = await cur.fetchone()
         return None if row is None else str(row[0])
+
+    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
+        async with self._transaction(write=False) as cur:
+            await cur.execute(_LEDGER["decision_digests"], params)
+            return [str(row[0]) for row in await cur.fetchall()]
 
     async def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str

@@ -206,6 +206,11 @@ class SqliteStore:
             ).fetchone()
         return None if row is None else str(row[0])
 
+    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
+        with self._cursor() as cur:
+            return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
+
     def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
@@ -352,6 +357,14 @@ class AsyncSqliteStore:
         ):
             row = await cur.fetchone()
         return None if row is None else str(row[0])
+
+    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
+        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
+        async with (
+            self._transaction() as conn,
+            conn.execute(_LEDGER["decision_digests"], params) as cur,
+        ):
+            return [str(row[0]) for row in await cur.fetchall()]
 
     async def decision_put(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
