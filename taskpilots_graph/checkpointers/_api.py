@@ -46,7 +46,7 @@ from taskpilots_graph.compression import (
 from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
 from taskpilots_graph.events import Event, EventKind, mark_superseded
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.base import THREAD_LEASE_PREFIX, LeaseBackend
 from taskpilots_graph.locks.hold import current_thread_hold
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
@@ -368,7 +368,7 @@ class RecoveryAPI(DelegatingSaver):
 
     def _tenure(self, thread_id: str) -> object | None:
         hold = current_thread_hold()
-        return hold if hold is not None and hold.name == thread_lease_name(thread_id) else None
+        return hold if hold is not None and hold.name == THREAD_LEASE_PREFIX + thread_id else None
 
     def _inputs_unknown(self, thread_id: str, checkpoint_ns: str) -> bool:
         tenure = self._tenure(thread_id)
