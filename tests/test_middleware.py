@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from langchain.agents.middleware import (
     ToolRetryMiddleware,
 )
 from langchain.agents.middleware.tool_error import ToolErrorMiddleware
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.types import Command
 
@@ -38,7 +41,7 @@ from taskpilots_graph.testing import fake_clock
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _middleware_worker import FAST, build_agent, ticket_tool
-from _models import PlanModel
+from _models import PlanModel, ScriptedChatModel
 
 WORKER = Path(__file__).parent / "_middleware_worker.py"
 
@@ -600,6 +603,56 @@ def test_side_effect_decision_recorded_before_the_call(
     assert cp.decision("t-s", "", digest) is not None
     agent.invoke({"messages": [("user", "t-y")]}, _config("t-y"), durability="sync")
     assert cp.decision("t-y", "", messages_digest([HumanMessage("t-y")])) is None
+
+
+class _TwoTicketsAtOnce(ScriptedChatModel):
+    """Asks for two tickets in one message (parallel tool calls), then answers."""
+
+    def decide(self, messages: list[BaseMessage]) -> AIMessage:
+        if any(isinstance(m, ToolMessage) for m in messages):
+            return AIMessage("done")
+        calls = [{"name": "open_ticket", "args": {"subject": s}, "id": f"call_{s}"} for s in "ab"]
+        return AIMessage("", tool_calls=calls)
+
+
+def test_parallel_side_effects_each_find_the_decision_on_disk(
+    cp: tp.RecoveryCheckpointer,
+    services: Services,
+    sqlite_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two side effects of one model message run in parallel; neither may run before the
+    message is on disk, even while the other call is still writing it (slowed down here)."""
+    seen: list[int] = []
+
+    def decisions() -> int:
+        with closing(sqlite3.connect(sqlite_path)) as lite:
+            (count,) = lite.execute("SELECT COUNT(*) FROM taskpilots_decisions").fetchone()
+        return int(count)
+
+    @tool
+    def open_ticket(subject: str) -> str:
+        """Open a help-desk ticket."""
+        seen.append(decisions())
+        return services.create_ticket(subject, subject, tp.current_invocation().key)
+
+    record = cp.record_decision
+
+    def slow_record(*args: Any) -> None:
+        time.sleep(0.3)
+        record(*args)
+
+    monkeypatch.setattr(cp, "record_decision", slow_record)
+    agent = create_agent(
+        _TwoTicketsAtOnce(),
+        [tp.side_effect(open_ticket)],
+        checkpointer=cp,
+        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
+    )
+    agent.invoke({"messages": [("user", "two tickets")]}, _config("t-par"))
+
+    assert len(seen) == 2
+    assert min(seen) == 1  # each call found the decision already recorded
 
 
 def test_human_in_the_loop_composes(cp: tp.RecoveryCheckpointer, services: Services) -> None:

@@ -196,17 +196,18 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             entries.append(extra)  # a business key first recorded by another thread
         return entries
 
-    def _first_record(self, req: RecordDecision) -> bool:
+    def _recorded_before(self, req: RecordDecision) -> bool:
         # Parallel calls of one model message each ask to record it; the store keeps the
-        # first anyway, this saves the repeated writes. Bounded: a long-lived worker runs
-        # many threads.
-        mark = (req.thread_id, req.digest)
-        if mark in self._recorded:
-            return False
-        if len(self._recorded) >= _RECORDED_MAX:
+        # first anyway, the mark saves the repeated writes. It is set only once the record
+        # is durable (_mark_recorded): a call that finds it may act at once, and one that
+        # does not, while another call is still writing, records again rather than act
+        # before the message is on disk.
+        return (req.thread_id, req.digest) in self._recorded
+
+    def _mark_recorded(self, req: RecordDecision) -> None:
+        if len(self._recorded) >= _RECORDED_MAX:  # bounded: a worker runs many threads
             self._recorded.clear()
-        self._recorded.add(mark)
-        return True
+        self._recorded.add((req.thread_id, req.digest))
 
     def _model_context(self) -> RunContext | None:
         try:
@@ -294,8 +295,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             extra = cp.ledger_entry(req.key) if req.key else None
             return self._ledger_view(cp.ledger(req.thread_id), extra)
         if isinstance(req, RecordDecision):
-            if self._first_record(req):
+            if not self._recorded_before(req):
                 cp.record_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
+                self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
             compensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
@@ -386,8 +388,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             extra = await cp.aledger_entry(req.key) if req.key else None
             return self._ledger_view(await cp.aledger(req.thread_id), extra)
         if isinstance(req, RecordDecision):
-            if self._first_record(req):
+            if not self._recorded_before(req):
                 await cp.arecord_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
+                self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
             await acompensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
