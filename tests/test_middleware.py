@@ -7,6 +7,7 @@ after the agent's process is gone. ``tests/_middleware_worker.py`` builds the ag
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sqlite3
@@ -653,6 +654,43 @@ def test_parallel_side_effects_each_find_the_decision_on_disk(
 
     assert len(seen) == 2
     assert min(seen) == 1  # each call found the decision already recorded
+
+
+async def test_async_parallel_side_effects_each_find_the_decision_on_disk(
+    services: Services, sqlite_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async form of the test above: the two calls run as concurrent tasks."""
+    seen: list[int] = []
+
+    def decisions() -> int:
+        with closing(sqlite3.connect(sqlite_path)) as lite:
+            (count,) = lite.execute("SELECT COUNT(*) FROM taskpilots_decisions").fetchone()
+        return int(count)
+
+    @tool
+    async def open_ticket(subject: str) -> str:
+        """Open a help-desk ticket."""
+        seen.append(decisions())
+        return services.create_ticket(subject, subject, tp.current_invocation().key)
+
+    async with tp.AsyncRecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as acp:
+        record = acp.arecord_decision
+
+        async def slow_record(*args: Any) -> None:
+            await asyncio.sleep(0.3)
+            await record(*args)
+
+        monkeypatch.setattr(acp, "arecord_decision", slow_record)
+        agent = create_agent(
+            _TwoTicketsAtOnce(),
+            [tp.side_effect(open_ticket)],
+            checkpointer=acp,
+            middleware=[RecoveryMiddleware(acp, default_policy=FAST)],
+        )
+        await agent.ainvoke({"messages": [("user", "two tickets")]}, _config("t-apar"))
+
+    assert len(seen) == 2
+    assert min(seen) == 1
 
 
 def test_human_in_the_loop_composes(cp: tp.RecoveryCheckpointer, services: Services) -> None:
