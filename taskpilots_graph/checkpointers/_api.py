@@ -321,14 +321,16 @@ class RecoveryAPI(DelegatingSaver):
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Record a model decision durably; the first record for an input wins."""
-        self._call("decision_put", thread_id, checkpoint_ns, input_digest, message)
+        record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
+        self._call("append_events", [record])
         self._note_input(thread_id, checkpoint_ns, input_digest)
 
     async def arecord_decision(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Async form of :meth:`record_decision`."""
-        await self._acall("decision_put", thread_id, checkpoint_ns, input_digest, message)
+        record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
+        await self._acall("append_events", [record])
         self._note_input(thread_id, checkpoint_ns, input_digest)
 
     def defer_decision(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -148,16 +147,6 @@ def ledger_list_sql(dialect: Dialect, thread_id: str | None) -> tuple[str, dict[
     return LEDGER[dialect]["by_thread"], {"thread_id": thread_id}
 
 
-def decision_params(
-    thread_id: str, checkpoint_ns: str, input_digest: str, message: str | None = None
-) -> dict[str, Any]:
-    """Parameters of the decision statements (``message`` only for the insert)."""
-    params: dict[str, Any] = {
-        "thread_id": thread_id,
-        "checkpoint_ns": checkpoint_ns,
-        "input_digest": input_digest,
-    }
-    if message is not None:
-        params["message"] = message
-        params["created_at"] = time.time()
-    return params
+def decision_params(thread_id: str, checkpoint_ns: str, input_digest: str) -> dict[str, Any]:
+    """Parameters of the decision lookup (inserts take ``DecisionRecord.params()``)."""
+    return {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns, "input_digest": input_digest}

@@ -153,10 +153,10 @@ class EventRecord:
 
 @dataclass(frozen=True, slots=True)
 class DecisionRecord:
-    """A model decision waiting to be written with its thread's next durable write.
+    """A model decision to record, written like events (``append_events``, ``ledger_write``).
 
     The act node needs a decision on disk before the first side effect it leads to, not
-    before: riding in the ledger intent's transaction, it costs no commit of its own.
+    before: deferred into the ledger intent's transaction, it costs no commit of its own.
     """
 
     thread_id: str
@@ -248,7 +248,8 @@ class RecoveryStore(Protocol):
         """
 
     def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
-        """Append events (and write decisions) in one transaction; durable on return."""
+        """Append events and record decisions (the first record for an input wins) in one
+        transaction; durable on return."""
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
@@ -282,11 +283,6 @@ class RecoveryStore(Protocol):
 
     def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         """The input digests of every decision recorded for the thread and namespace."""
-
-    def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        """Record a model decision durably (first writer wins)."""
 
     def decision_forget(self, thread_id: str, since: float) -> int:
         """Delete the thread's decisions recorded after ``since`` (epoch seconds)."""
@@ -348,11 +344,6 @@ class AsyncRecoveryStore(Protocol):
 
     async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         """The input digests of every decision recorded for the thread and namespace."""
-
-    async def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        """Record a model decision durably (first writer wins)."""
 
     async def decision_forget(self, thread_id: str, since: float) -> int:
         """Delete the thread's decisions recorded after ``since`` (epoch seconds)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from taskpilots_graph.checkpointers._rows import entry_params
@@ -100,13 +99,6 @@ class MemoryStore:
         with self._lock:
             return [d for t, ns, d in self._decisions if (t, ns) == (thread_id, checkpoint_ns)]
 
-    def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
-        with self._lock:
-            self._decide(record)
-
     def _decide(self, record: DecisionRecord) -> None:
         key = (record.thread_id, record.checkpoint_ns, record.input_digest)
         if key not in self._decisions:
@@ -194,11 +186,6 @@ class AsyncMemoryStore:
 
     async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         return self.sync.decision_digests(thread_id, checkpoint_ns)
-
-    async def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        self.sync.decision_put(thread_id, checkpoint_ns, input_digest, message)
 
     async def decision_forget(self, thread_id: str, since: float) -> int:
         return self.sync.decision_forget(thread_id, since)

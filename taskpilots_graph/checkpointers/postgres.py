@@ -326,13 +326,6 @@ class PostgresStore:
         with self._transaction(write=False) as cur:
             return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
 
-    def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
-        with self._transaction() as cur:
-            cur.execute(_LEDGER["decision_put"], params)
-
     def decision_forget(self, thread_id: str, since: float) -> int:
         with self._transaction() as cur:
             params = {"thread_id": thread_id, "since": since}
@@ -503,13 +496,6 @@ class AsyncPostgresStore:
         async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["decision_digests"], params)
             return [str(row[0]) for row in await cur.fetchall()]
-
-    async def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
-        async with self._transaction() as cur:
-            await cur.execute(_LEDGER["decision_put"], params)
 
     async def decision_forget(self, thread_id: str, since: float) -> int:
         async with self._transaction() as cur:

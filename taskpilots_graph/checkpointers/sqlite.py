@@ -211,13 +211,6 @@ class SqliteStore:
         with self._cursor() as cur:
             return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
 
-    def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
-        with self._cursor() as cur:
-            cur.execute(_LEDGER["decision_put"], params)
-
     def decision_forget(self, thread_id: str, since: float) -> int:
         with self._cursor() as cur:
             return cur.execute(
@@ -365,13 +358,6 @@ class AsyncSqliteStore:
             conn.execute(_LEDGER["decision_digests"], params) as cur,
         ):
             return [str(row[0]) for row in await cur.fetchall()]
-
-    async def decision_put(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest, message)
-        async with self._transaction() as conn:
-            await conn.execute(_LEDGER["decision_put"], params)
 
     async def decision_forget(self, thread_id: str, since: float) -> int:
         params = {"thread_id": thread_id, "since": since}
