@@ -616,6 +616,26 @@ class _TwoTicketsAtOnce(ScriptedChatModel):
         return AIMessage("", tool_calls=calls)
 
 
+def _two_ticket_agent(cp: Any, services: Services, sqlite_path: str, seen: list[int]) -> Any:
+    """A ``create_agent`` graph asking for two tickets at once; each call notes how many
+    decisions another connection sees on disk as it runs."""
+
+    @tool
+    def open_ticket(subject: str) -> str:
+        """Open a help-desk ticket."""
+        with closing(sqlite3.connect(sqlite_path)) as lite:
+            (count,) = lite.execute("SELECT COUNT(*) FROM taskpilots_decisions").fetchone()
+        seen.append(int(count))
+        return services.create_ticket(subject, subject, tp.current_invocation().key)
+
+    return create_agent(
+        _TwoTicketsAtOnce(),
+        [tp.side_effect(open_ticket)],
+        checkpointer=cp,
+        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
+    )
+
+
 def test_parallel_side_effects_each_find_the_decision_on_disk(
     cp: tp.RecoveryCheckpointer,
     services: Services,
@@ -624,19 +644,6 @@ def test_parallel_side_effects_each_find_the_decision_on_disk(
 ) -> None:
     """Two side effects of one model message run in parallel; neither may run before the
     message is on disk, even while the other call is still writing it (slowed down here)."""
-    seen: list[int] = []
-
-    def decisions() -> int:
-        with closing(sqlite3.connect(sqlite_path)) as lite:
-            (count,) = lite.execute("SELECT COUNT(*) FROM taskpilots_decisions").fetchone()
-        return int(count)
-
-    @tool
-    def open_ticket(subject: str) -> str:
-        """Open a help-desk ticket."""
-        seen.append(decisions())
-        return services.create_ticket(subject, subject, tp.current_invocation().key)
-
     record = cp.record_decision
 
     def slow_record(*args: Any) -> None:
@@ -644,12 +651,8 @@ def test_parallel_side_effects_each_find_the_decision_on_disk(
         record(*args)
 
     monkeypatch.setattr(cp, "record_decision", slow_record)
-    agent = create_agent(
-        _TwoTicketsAtOnce(),
-        [tp.side_effect(open_ticket)],
-        checkpointer=cp,
-        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
-    )
+    seen: list[int] = []
+    agent = _two_ticket_agent(cp, services, sqlite_path, seen)
     agent.invoke({"messages": [("user", "two tickets")]}, _config("t-par"))
 
     assert len(seen) == 2
@@ -660,19 +663,6 @@ async def test_async_parallel_side_effects_each_find_the_decision_on_disk(
     services: Services, sqlite_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The async form of the test above: the two calls run as concurrent tasks."""
-    seen: list[int] = []
-
-    def decisions() -> int:
-        with closing(sqlite3.connect(sqlite_path)) as lite:
-            (count,) = lite.execute("SELECT COUNT(*) FROM taskpilots_decisions").fetchone()
-        return int(count)
-
-    @tool
-    async def open_ticket(subject: str) -> str:
-        """Open a help-desk ticket."""
-        seen.append(decisions())
-        return services.create_ticket(subject, subject, tp.current_invocation().key)
-
     async with tp.AsyncRecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as acp:
         record = acp.arecord_decision
 
@@ -681,12 +671,8 @@ async def test_async_parallel_side_effects_each_find_the_decision_on_disk(
             await record(*args)
 
         monkeypatch.setattr(acp, "arecord_decision", slow_record)
-        agent = create_agent(
-            _TwoTicketsAtOnce(),
-            [tp.side_effect(open_ticket)],
-            checkpointer=acp,
-            middleware=[RecoveryMiddleware(acp, default_policy=FAST)],
-        )
+        seen: list[int] = []
+        agent = _two_ticket_agent(acp, services, sqlite_path, seen)
         await agent.ainvoke({"messages": [("user", "two tickets")]}, _config("t-apar"))
 
     assert len(seen) == 2
