@@ -35,8 +35,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final, Literal
 
@@ -57,6 +57,7 @@ from taskpilots_graph.errors import (
     ToolWaiting,
 )
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 from taskpilots_graph.nodes.executor import pending_calls
 from taskpilots_graph.runner import _aleased, _config, _leased, _mark_resumed
@@ -281,6 +282,23 @@ def classify(thread_id: str, snapshot: StateSnapshot, *, agent: str, now: float)
         return ThreadHealth(thread_id, status, checkpoint_id, retry_at=retry_at, attribution=why)
     why = _attribute(thread_id, snapshot, agent, "worker_lost")
     return ThreadHealth(thread_id, ThreadStatus.ORPHANED, checkpoint_id, attribution=why)
+
+
+def _with_effect_in_flight(health: ThreadHealth, entries: Sequence[LedgerEntry]) -> ThreadHealth:
+    """``health`` naming the effect the lost worker was in, when its checkpoint cannot.
+
+    With a durability other than "sync", the checkpoint that shows the pending tool call may
+    not be on disk when the worker dies, while the ledger intent of the call always is: the
+    latest entry still ``intended`` names the tool and the step.
+    """
+    why = health.attribution
+    if why is None or why.cause != "worker_lost" or why.tool is not None:
+        return health
+    in_flight = [e for e in entries if e.status is LedgerStatus.INTENDED]
+    if not in_flight:
+        return health
+    entry = max(in_flight, key=lambda e: e.updated_at)
+    return replace(health, attribution=replace(why, step=entry.tool_call_id, tool=entry.tool))
 
 
 def _unreadable(thread_id: str, checkpoint_id: str, exc: Exception) -> ThreadHealth:
@@ -518,6 +536,8 @@ class Supervisor:
                 found.append(_unreadable(thread_id, checkpoint_id, exc))
                 continue
             health = classify(thread_id, snapshot, agent=self.agent, now=now)
+            if health.status is ThreadStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
+                health = _with_effect_in_flight(health, checkpointer.ledger(thread_id))
             found.append(self._judged(health, now))
         return found
 
@@ -586,6 +606,8 @@ class Supervisor:
                 found.append(_unreadable(thread_id, checkpoint_id, exc))
                 continue
             health = classify(thread_id, snapshot, agent=self.agent, now=now)
+            if health.status is ThreadStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
+                health = _with_effect_in_flight(health, await checkpointer.aledger(thread_id))
             found.append(self._judged(health, now))
         return found
 

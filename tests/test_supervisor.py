@@ -21,6 +21,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,15 @@ from taskpilots_graph.config import (
     Settings,
     open_graph,
 )
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks import LeaseBackend, lease_backend_from_url, thread_lease_name
 from taskpilots_graph.policy import Backoff, ToolPolicy
 from taskpilots_graph.supervisor import (
     Attribution,
     Supervisor,
+    ThreadHealth,
     ThreadStatus,
+    _with_effect_in_flight,
     asupervise,
     recover,
     supervise,
@@ -173,6 +178,45 @@ def test_orphaned_thread_is_attributed_resumed_once_then_idle(
         "t-b": ThreadStatus.IDLE,
     }
     assert world.effects == Counter({"a": 1, "b": 1})
+
+
+def test_a_lost_worker_is_attributed_from_the_ledger_when_its_checkpoint_lags() -> None:
+    """Under "async" durability the checkpoint showing the pending call may not be on disk
+    when the worker dies; the ledger intent, written before the effect, names it instead."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    lost = ThreadHealth(
+        "t-1",
+        ThreadStatus.ORPHANED,
+        "cp-1",
+        attribution=Attribution("t-1", "worker_lost", "tickets", node="think"),
+    )
+
+    def entry(key: str, status: LedgerStatus, minute: int) -> LedgerEntry:
+        at = now.replace(minute=minute)
+        return LedgerEntry(
+            key=key,
+            thread_id="t-1",
+            tool=key,
+            status=status,
+            args={},
+            args_digest="-",
+            attempt=1,
+            tool_call_id=f"call-{key}",
+            created_at=at,
+            updated_at=at,
+        )
+
+    entries = [
+        entry("lookup_customer", LedgerStatus.COMMITTED, 1),
+        entry("create_ticket", LedgerStatus.INTENDED, 2),
+    ]
+    why = _with_effect_in_flight(lost, entries).attribution
+    assert why is not None
+    assert (why.node, why.step, why.tool) == ("think", "call-create_ticket", "create_ticket")
+    # Nothing in flight, or a tool already named by the checkpoint: left as it was.
+    assert _with_effect_in_flight(lost, entries[:1]) == lost
+    named = replace(lost, attribution=replace(lost.attribution, tool="send_email"))
+    assert _with_effect_in_flight(named, entries) == named
 
 
 def test_thread_held_by_a_live_runner_is_left_alone(
