@@ -63,6 +63,9 @@ class EventKind(StrEnum):
     REWOUND = "rewound"
     STUCK_DETECTED = "stuck_detected"
     RESULT_DRIFTED = "result_drifted"  # the same call answered differently when run again
+    REPEAT_CAUGHT = "repeat_caught"  # a committed effect asked for again: recorded result returned
+    INTENT_AWAITED = "intent_awaited"  # a live intent of another runner was waited for
+    CALLS_CLOSED = "calls_closed"  # open tool calls answered before new input was taken
 
 
 @dataclass(frozen=True, slots=True)
