@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from taskpilots_graph.agent import check_retry_owner, create_recovery_agent
+from taskpilots_graph.agent import RecoveryGraph, check_retry_owner, create_recovery_agent
 from taskpilots_graph.checkpointers import (
     ArtifactRef,
     ArtifactStore,
@@ -31,6 +31,7 @@ from taskpilots_graph.errors import (
     ArtifactNotFound,
     ConfigurationError,
     CorruptRecordError,
+    EffectInProgress,
     InvalidDecision,
     LeaseLost,
     LedgerConflict,
@@ -50,6 +51,7 @@ from taskpilots_graph.errors import (
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.failures import Failure, FailureKind, classify
 from taskpilots_graph.ledger import (
+    CommittedEffect,
     Done,
     LedgerEntry,
     LedgerStatus,
@@ -138,6 +140,7 @@ __all__ = [
     "Attribution",
     "Backoff",
     "CheckpointDensity",
+    "CommittedEffect",
     "CompensateNode",
     "ConfigurationError",
     "CoordinationPlan",
@@ -146,6 +149,7 @@ __all__ = [
     "CorruptRecordError",
     "Decision",
     "Done",
+    "EffectInProgress",
     "Event",
     "EventKind",
     "Failure",
@@ -172,6 +176,7 @@ __all__ = [
     "RecoveryCheckpointer",
     "RecoveryDecision",
     "RecoveryExecutor",
+    "RecoveryGraph",
     "RecoveryMap",
     "RecoveryMetrics",
     "RecoveryMiddleware",

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import merge_configs
 from langchain_core.tools import BaseTool
 from langgraph._internal._runnable import RunnableCallable
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
+from langgraph.pregel import Pregel
 
+from taskpilots_graph import unfinished
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.density import CheckpointDensity, Density
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.guard import aguard_thread, guard_thread
 from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
@@ -27,7 +32,7 @@ from taskpilots_graph.state import RecoveryState
 from taskpilots_graph.tools import spec_of
 from taskpilots_graph.window import MemoryWindow, ObservationPolicy
 
-__all__ = ["check_retry_owner", "create_recovery_agent"]
+__all__ = ["RecoveryGraph", "check_retry_owner", "create_recovery_agent"]
 
 
 def node_owner(runnable: Any) -> Any:
@@ -43,6 +48,118 @@ def find_executor(graph: Any) -> RecoveryExecutor | None:
         if isinstance(owner := node_owner(spec.runnable), RecoveryExecutor):
             return owner
     return None
+
+
+DEFAULT_LEASE_TTL = 30.0
+"""TTL of the thread lease of a graph that names none (e.g. ``create_agent`` graphs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSource:
+    """Where a graph's thread lease comes from: the backend (sync and async) and its TTL."""
+
+    backend: Callable[[], LeaseBackend]
+    abackend: Callable[[], Awaitable[LeaseBackend]]
+    ttl: float
+
+
+def lease_source(graph: Any) -> LeaseSource | None:
+    """How runners of ``graph`` hold its thread lease, or ``None`` for a plain graph.
+
+    The recovery executor's (or ``RecoveryMiddleware``'s) backend, the one named with
+    ``leases=`` else the checkpointer's own database, and its TTL; for any other graph
+    compiled with a recovery checkpointer, that checkpointer's own backend. A graph compiled
+    with a plain LangGraph saver has no lease to hold.
+    """
+    executor = find_executor(graph)
+    if executor is not None:
+        return LeaseSource(executor.lease_backend, executor.alease_backend, executor.lease_ttl)
+    builder = getattr(graph, "builder", graph)
+    for spec in getattr(builder, "nodes", {}).values():
+        # RecoveryMiddleware (its after_agent node): matched by what it offers, so that
+        # this module needs no langchain import.
+        owner = node_owner(spec.runnable)
+        if owner is not None and all(
+            hasattr(owner, a) for a in ("lease_backend", "alease_backend", "lease_ttl")
+        ):
+            return LeaseSource(owner.lease_backend, owner.alease_backend, float(owner.lease_ttl))
+    cp = getattr(graph, "checkpointer", None)
+    if isinstance(cp, RecoveryAPI):
+        return LeaseSource(cp.lease_backend, cp.alease_backend, DEFAULT_LEASE_TTL)
+    return None
+
+
+def _root_thread(graph: Pregel[Any, Any], config: RunnableConfig | None) -> str | None:
+    """The thread a top-level call runs, or ``None`` (no thread, or a subgraph call).
+
+    A call nested in another graph's run (a non-empty ``checkpoint_ns``) is part of that
+    run: the enclosing run answers for the thread, and settles its unfinished work once.
+    """
+    conf = merge_configs(graph.config, config).get("configurable") or {}
+    thread_id = conf.get("thread_id")
+    if not thread_id or conf.get("checkpoint_ns"):
+        return None
+    return str(thread_id)
+
+
+class RecoveryGraph(CompiledStateGraph[Any, Any, Any, Any]):
+    """The compiled recovery agent: LangGraph's graph with its guards inside.
+
+    ``invoke`` / ``stream`` / ``ainvoke`` / ``astream`` (and ``batch``, ``stream_events``,
+    which LangGraph routes through them) hold the thread's lease for the whole call, so a
+    second runner of the same thread gets :class:`~taskpilots_graph.errors.ThreadBusy` at
+    once instead of silently interleaving its writes, whoever calls: ``tp.run`` or plain
+    LangGraph code. With the lease held, and before the graph starts, the thread's unfinished
+    work is settled (:func:`taskpilots_graph.unfinished.before_run`) and the graph runs with
+    the input it returns.
+
+    Only the two streaming methods are overridden: LangGraph's ``invoke`` runs ``stream``
+    and ``ainvoke`` runs ``astream``, so every entry point passes here exactly once. The
+    guard is re-entrant: under a runner that already holds the lease (``tp.run(...,
+    wait=True)``) nothing is acquired again.
+    """
+
+    def stream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[Any]:
+        """LangGraph's ``stream``, under the thread's lease (see the class docstring)."""
+        thread_id = _root_thread(self, config)
+        source = lease_source(self) if thread_id is not None else None
+        if thread_id is None or source is None:
+            yield from super().stream(input, config, **kwargs)
+            return
+        with guard_thread(source.backend, source.ttl, thread_id, wait=False):
+            ready = unfinished.before_run(self, merge_configs(self.config, config), input)
+            yield from super().stream(ready, config, **kwargs)
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """Async form of :meth:`stream`."""
+        thread_id = _root_thread(self, config)
+        source = lease_source(self) if thread_id is not None else None
+        if thread_id is None or source is None:
+            async for chunk in super().astream(input, config, **kwargs):
+                yield chunk
+            return
+        async with aguard_thread(source.abackend, source.ttl, thread_id, wait=False):
+            ready = await unfinished.abefore_run(self, merge_configs(self.config, config), input)
+            async for chunk in super().astream(ready, config, **kwargs):
+                yield chunk
+
+
+def guarded(graph: CompiledStateGraph[Any, Any, Any, Any]) -> RecoveryGraph:
+    """``graph`` as a :class:`RecoveryGraph` (the same object, with the guarded methods).
+
+    Only methods are added, no state, so the compiled graph is re-classed in place rather
+    than rebuilt: rebuilding would go through LangGraph's constructor, which does not take
+    back everything ``compile`` set. LangGraph's ``copy`` / ``with_config`` build copies
+    with ``self.__class__``, so they stay guarded.
+    """
+    if not isinstance(graph, RecoveryGraph):
+        graph.__class__ = RecoveryGraph
+    assert isinstance(graph, RecoveryGraph)
+    return graph
 
 
 def check_retry_owner(
@@ -124,6 +241,10 @@ def create_recovery_agent(
     effects (``compensate``) or fails the run (``fail``), as the tool's policy says. The loop
     ends when the model answers without tool calls.
 
+    The compiled graph is a :class:`RecoveryGraph`: its own ``invoke`` / ``stream`` /
+    ``ainvoke`` / ``astream`` hold the thread's lease and settle unfinished work first, so
+    plain LangGraph calls are as guarded as ``tp.run``.
+
     Example:
         >>> with tp.RecoveryCheckpointer.from_conn_string("sqlite:///runs.db") as cp:
         ...     graph = tp.create_recovery_agent(
@@ -148,13 +269,16 @@ def create_recovery_agent(
         prompt: Optional system prompt.
         name: The graph's name.
         rng: Source of backoff jitter (tests pass a seeded one).
-        leases: A lease backend (:func:`~taskpilots_graph.locks.lease_backend_from_url`).
-            ``tp.run`` / ``tp.resume`` / ``tp.decide`` / ``tp.rewind`` then hold the
-            thread's lease (a second runner gets ``ThreadBusy``), every side effect first
-            checks it (``LeaseLost`` stops the run), and ``lock=`` tools run under their
-            business lock. Calling ``graph.invoke`` directly bypasses the thread lease.
-            Without a backend, ``lock=`` is recorded on the ledger but not enforced.
-        lease_ttl: TTL in seconds of those leases and locks (renewed every third of it).
+        leases: A lease backend (:func:`~taskpilots_graph.locks.lease_backend_from_url`),
+            e.g. Redis for scale-out; by default the checkpointer's own database (SQLite
+            file, PostgreSQL, or memory). The graph's own ``invoke`` / ``stream`` (and
+            ``tp.run`` / ``tp.resume`` / ``tp.decide`` / ``tp.rewind``) hold the thread's
+            lease for the whole call (a second runner gets ``ThreadBusy``), every side
+            effect first checks it (``LeaseLost`` stops the run), and ``lock=`` tools run
+            under their business lock (fail closed).
+        lease_ttl: TTL in seconds of those leases and locks (renewed every third of it);
+            also the longest a call waits for a business lock, or for another runner's
+            live intent on the same key (then ``EffectInProgress``).
         observations: Results above its threshold (4 KB by default) are stored as an
             artifact (``cp.artifact(id)``) and the state, so the model, gets a summary and
             the id. ``None`` keeps every result whole.
@@ -229,4 +353,4 @@ def create_recovery_agent(
     builder.add_edge("compensate", "fail")
     builder.add_edge("fail", END)
     check_retry_owner(builder)
-    return builder.compile(checkpointer=checkpointer, name=name)
+    return guarded(builder.compile(checkpointer=checkpointer, name=name))

@@ -11,6 +11,7 @@ can catch the whole family at once and still tell the cases apart by type::
     ├── MutualWait                  sub-agents wait for each other's locks (reported STUCK)
     ├── StorageError                the recovery store cannot do what was asked
     │   ├── CorruptRecordError      a stored row cannot be decoded (never "not found")
+    │   ├── EffectInProgress        another live runner is performing the same effect
     │   ├── LedgerConflict          another run moved the same ledger entry first
     │   ├── LockBackendUnavailable  the lease/lock store is unreachable: fail closed
     │   ├── MigrationError          the schema is newer than this library, or half-applied
@@ -39,6 +40,7 @@ __all__ = [
     "ArtifactNotFound",
     "ConfigurationError",
     "CorruptRecordError",
+    "EffectInProgress",
     "InvalidDecision",
     "LeaseLost",
     "LedgerConflict",
@@ -105,12 +107,43 @@ class LedgerConflict(StorageError):
     performing it a second time.
     """
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, *, performed: bool = False) -> None:
+        # Truthful either way: the conflict can hit the write *after* our own call ran
+        # (its commit), and then the effect did happen once, by this run.
+        outcome = (
+            "this run had already performed the effect, its result was not recorded; "
+            "a person or the pre-check must settle it"
+            if performed
+            else "this run did not perform the effect"
+        )
         super().__init__(
-            f"ledger entry {key!r} was changed by another run at the same time; "
-            "the effect was not executed again"
+            f"ledger entry {key!r} was changed by another run at the same time; {outcome}"
         )
         self.key = key
+        self.performed = performed
+
+
+class EffectInProgress(StorageError):
+    """A side effect's ledger intent belongs to a runner that is still alive, past our wait.
+
+    The entry is ``intended`` and its thread's lease is held by another runner: the effect is
+    being performed right now, elsewhere. Running the pre-check or the tool against it could
+    perform it twice, so the caller waits for its outcome; this is raised when that wait runs
+    out (nothing was run). Try again later: the entry will be committed, or reconciled once
+    its owner is gone.
+    """
+
+    def __init__(self, key: str, *, tool: str, owner_thread: str, holder: str | None) -> None:
+        who = f" (lease held by {holder!r})" if holder is not None else ""
+        super().__init__(
+            f"side effect {tool!r} under key {key!r} is being performed by thread "
+            f"{owner_thread!r}{who}; its outcome did not arrive in time and nothing was run "
+            "here; try again later"
+        )
+        self.key = key
+        self.tool = tool
+        self.owner_thread = owner_thread
+        self.holder = holder
 
 
 class MigrationError(StorageError):

@@ -8,6 +8,11 @@ another agent doing the same business operation), the recorded entry decides:
 ============================  ==============================================================
 entry found                   what happens
 ============================  ==============================================================
+(before any entry is read)    the arguments are checked against the tool's schema; rejected
+                              arguments fail the call as *not sent* (nothing is written)
+none, but the same tool with  repeat guard: return the earlier result with a note ("already
+the same canonical arguments  done at step N: ...") and log ``repeat_caught``; the tool is
+is committed in the thread    not called (``side_effect(repeatable=True)`` opts out)
 none                          intend, then execute
 committed / compensated       return the recorded result; the tool is not called
 failed, request not sent      execute again with the same key
@@ -19,6 +24,20 @@ request may have been sent    ``NotDone`` → execute with the same key; ``Unkno
                               mark ``uncertain`` and stop with :class:`SideEffectUncertain`
 uncertain                     stop with :class:`SideEffectUncertain` until a person decides
 ============================  ==============================================================
+
+"Request not sent" is claimed only when the request cannot have left: an exception raised
+from inside a side-effecting tool's body counts as *possibly sent* (a client that fails to
+parse the reply, with ``JSONDecodeError``, ``KeyError``, ``TypeError`` or a pydantic
+``ValidationError``, does so *after* the service acted), unless
+
+* the exception says so itself, with a boolean ``maybe_sent`` attribute;
+* its type is declared with ``side_effect(not_sent=(SomeError, ...))`` (errors the tool
+  raises before it sends anything, e.g. its own input checks);
+* it is a connection error raised before any connection existed (``ConnectionRefusedError``,
+  ``socket.gaierror``).
+
+Arguments the tool's schema rejects were never handed to the body: not sent. Pure tools
+(no ``side_effect``) have no ledger entry and are retried as their policies say.
 
 Guarantee: *effectively once* for tools with a pre-check or an idempotent service; *at most
 once, then a person decides* for the rest. This module is I/O free; the stores persist entries
@@ -40,6 +59,7 @@ from taskpilots_graph.errors import ConfigurationError, TaskPilotsError
 
 __all__ = [
     "PAUSED",
+    "CommittedEffect",
     "Done",
     "LedgerEntry",
     "LedgerStatus",
@@ -115,6 +135,13 @@ class SideEffectSpec:
             :mod:`taskpilots_graph.drift`).
         drift_comparator: ``comparator(previous, current) -> bool`` (true: same meaning)
             used instead of comparing digests.
+        not_sent: Exception types the tool raises only before its request leaves (its own
+            input checks, say): such a failure is retried as "not sent". Anything else
+            raised from the tool's body counts as possibly sent, since a reply that fails
+            to parse comes back *after* the service acted.
+        repeatable: A second call with the same arguments in one thread is a new effect
+            (topping up a balance, say), so the repeat guard lets it run. Default: such a
+            call returns the earlier call's recorded result instead of executing again.
     """
 
     precheck: Precheck | None = None
@@ -124,6 +151,8 @@ class SideEffectSpec:
     lock: LockFn | None = None
     confirm_drift: bool = False
     drift_comparator: Callable[[Any, Any], bool] | None = None
+    not_sent: tuple[type[BaseException], ...] = ()
+    repeatable: bool = False
 
     def __post_init__(self) -> None:
         for name in ("precheck", "compensate", "key", "lock", "drift_comparator"):
@@ -132,9 +161,20 @@ class SideEffectSpec:
                 raise ConfigurationError(
                     f"side_effect({name}=...) must be a callable, got {type(value).__name__}"
                 )
-        for name in ("idempotent", "confirm_drift"):
+        for name in ("idempotent", "confirm_drift", "repeatable"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"side_effect({name}=...) must be True or False")
+        not_sent: object = self.not_sent  # as given, before it is checked
+        if isinstance(not_sent, type):
+            not_sent = (not_sent,)  # one type on its own, as ``except`` accepts it
+        if not isinstance(not_sent, tuple | list) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in not_sent
+        ):
+            raise ConfigurationError(
+                "side_effect(not_sent=...) must be a tuple of exception types, e.g. "
+                f"not_sent=(InvalidAddress,); got {not_sent!r}"
+            )
+        object.__setattr__(self, "not_sent", tuple(not_sent))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +219,20 @@ class LedgerEntry:
     def __post_init__(self) -> None:
         if not isinstance(self.args, MappingProxyType):
             object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedEffect:
+    """An effect already committed in a thread, found by the repeat guard.
+
+    Attributes:
+        entry: Its ledger entry.
+        step: Its position among the thread's recorded side effects (1 for the first),
+            the "step N" of the note the model reads.
+    """
+
+    entry: LedgerEntry
+    step: int
 
 
 class SideEffectUncertain(TaskPilotsError):

@@ -24,7 +24,10 @@
   ``takeover_requested`` events before one decision are one takeover.
 
 Plus per-tool calls, failures by kind, retries, degradations and compensations, and run
-counts by status. Superseded events (a ``rewind`` went back before them) are left out.
+counts by status. Nothing unsettled is hidden: ``uncertain_effects`` counts entries a person
+must settle and ``unreconciled_intents`` entries left ``intended`` by a run that stopped
+(``resume``, or new input on the thread, reconciles them); a run with either never counts as
+``closed``. Superseded events (a ``rewind`` went back before them) are left out.
 
 :func:`compute_metrics` is I/O free; :func:`recovery_metrics` / :func:`arecovery_metrics`
 read the store and call it. A run is a thread.
@@ -44,7 +47,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import Event, EventKind
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
 from taskpilots_graph.threads import (
     THREAD_STATUSES,
     ThreadStatus,
@@ -236,6 +239,8 @@ class RecoveryMetrics:
     model_failures: int = 0
     resumes: int = 0
     uncertain_effects: int = 0
+    repeats_caught: int = 0  # committed effects asked for again, answered without executing
+    unreconciled_intents: int = 0  # ledger entries left ``intended`` (not paused on a person)
     since: datetime | None = None
     computed_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -282,6 +287,8 @@ class RecoveryMetrics:
                 "model_failures": self.model_failures,
                 "resumes": self.resumes,
                 "uncertain_effects": self.uncertain_effects,
+                "repeats_caught": self.repeats_caught,
+                "unreconciled_intents": self.unreconciled_intents,
             },
             "since": self.since.isoformat() if self.since else None,
             "computed_at": self.computed_at.isoformat(),
@@ -378,6 +385,7 @@ def _gauges(m: RecoveryMetrics) -> list[_Gauge]:
                 "duplicate": dup.duplicates,
                 "possible_duplicate": dup.possible_duplicates,
                 "uncertain": m.uncertain_effects,
+                "intended": m.unreconciled_intents,
             },
         ),
         _gauge(
@@ -791,12 +799,21 @@ def compute_metrics(
         model_failures=sum(1 for e in all_events if e.kind is EventKind.MODEL_FAILED),
         resumes=sum(1 for e in all_events if e.kind is EventKind.RUN_RESUMED),
         uncertain_effects=sum(1 for e in ledger if e.status is LedgerStatus.UNCERTAIN),
+        repeats_caught=sum(1 for e in all_events if e.kind is EventKind.REPEAT_CAUGHT),
+        unreconciled_intents=sum(
+            1 for e in ledger if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)
+        ),
         since=start,
         computed_at=now,
     )
 
 
 # -- drivers -----------------------------------------------------------------------------------
+
+
+def _own(ledger: Sequence[LedgerEntry], thread_id: str) -> list[LedgerEntry]:
+    """The thread's entries: its status must not read ``closed`` while one is unsettled."""
+    return [e for e in ledger if e.thread_id == thread_id]
 
 
 def _ids(thread_ids: Sequence[str] | None) -> list[str] | None:
@@ -837,7 +854,9 @@ def recovery_metrics(
     for thread_id in ids:
         logs[thread_id] = cp.events(thread_id)
         found = cp.get_tuple(root_config(thread_id))
-        statuses[thread_id] = describe_thread(thread_id, found, logs[thread_id]).status
+        statuses[thread_id] = describe_thread(
+            thread_id, found, logs[thread_id], _own(ledger, thread_id)
+        ).status
     return compute_metrics(logs, ledger, statuses=statuses, since=start)
 
 
@@ -860,5 +879,7 @@ async def arecovery_metrics(
     for thread_id in ids:
         logs[thread_id] = await cp.aevents(thread_id)
         found = await cp.aget_tuple(root_config(thread_id))
-        statuses[thread_id] = describe_thread(thread_id, found, logs[thread_id]).status
+        statuses[thread_id] = describe_thread(
+            thread_id, found, logs[thread_id], _own(ledger, thread_id)
+        ).status
     return compute_metrics(logs, ledger, statuses=statuses, since=start)

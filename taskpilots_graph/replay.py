@@ -222,6 +222,9 @@ def _recovery_summary(kind: EventKind, p: Mapping[str, Any], tool: Any) -> tuple
         return "engine", f"pre-check of {tool}: {outcome}{proof}"
     if kind is EventKind.EFFECT_UNCERTAIN:
         return "engine", f"{tool} effect uncertain, not executed again{reason}"
+    if kind is EventKind.REPEAT_CAUGHT:
+        step = p.get("step")
+        return "engine", f"{tool} already done at step {step}: not executed again, result returned"
     if kind is EventKind.RETRY_SCHEDULED:
         due = p.get("retry_at")
         when = datetime.fromtimestamp(due, UTC).isoformat(timespec="seconds") if due else "now"

@@ -1,12 +1,14 @@
 """Running threads, in any process: ``run`` a thread, ``resume`` it by id, list the threads
 waiting on a person with ``pending_takeovers``, and answer them with ``decide``.
 
-For a graph built with a lease backend (``create_recovery_agent(leases=...)``) every runner
-here (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds the thread's
-lease (``thread:<thread_id>``) for the whole call: a second runner on the same thread gets
-:class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with ``wait=True``) instead of
-silently losing writes, and the executor checks the lease before every side effect. Without
-a lease backend they run unguarded, as ``graph.invoke`` does.
+Every runner here (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds
+the thread's lease (``thread:<thread_id>``) for the whole call: a second runner on the same
+thread gets :class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with
+``wait=True``) instead of silently losing writes, and the executor checks the lease before
+every side effect. The lease lives in the backend named with
+``create_recovery_agent(leases=...)``, or else in the checkpointer's own database. The
+recovery graph's own ``invoke`` holds the same lease (re-entrantly), so calling it directly
+is guarded too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from langgraph.types import Command, StateSnapshot
 from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph import _clock
-from taskpilots_graph.agent import find_executor
+from taskpilots_graph.agent import find_executor, lease_source
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -33,12 +35,20 @@ from taskpilots_graph.errors import (
     ThreadNotFound,
 )
 from taskpilots_graph.events import Event, EventKind
-from taskpilots_graph.locks.base import thread_lease_name
-from taskpilots_graph.locks.hold import ahold, hold, reset_thread_hold, set_thread_hold
+from taskpilots_graph.guard import aguard_thread, guard_thread
+from taskpilots_graph.ledger import LedgerStatus, SideEffectUncertain
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
+from taskpilots_graph.unfinished import (
+    OrphanOutcome,
+    abefore_run,
+    areconcile_orphans,
+    before_run,
+    orphan_intents,
+    reconcile_orphans,
+)
 
 __all__ = [
     "adecide",
@@ -83,36 +93,30 @@ def _mark_resumed(cfg: RunnableConfig, seq: int, snapshot: StateSnapshot) -> Non
 
 @contextmanager
 def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[None]:
-    """Hold the thread's lease for the block, if the graph has a lease backend."""
-    executor = find_executor(graph)
-    backend = executor.leases if executor is not None else None
-    if executor is None or backend is None:
+    """Hold the thread's lease for the block (re-entrant; see :mod:`taskpilots_graph.guard`).
+
+    The lease comes from the graph's lease backend, named or its checkpointer's own
+    database (:func:`~taskpilots_graph.agent.lease_source`); only a graph compiled with a
+    plain LangGraph saver runs without one. Nothing else happens here: a recovery graph
+    settles unfinished work in its own guarded ``invoke``, once per run.
+    """
+    source = lease_source(graph)
+    if source is None:
         yield
         return
-    name = thread_lease_name(thread_id)
-    with hold(backend, name, ttl=executor.lease_ttl, wait=wait) as held:
-        token = set_thread_hold(held)
-        try:
-            yield
-        finally:
-            reset_thread_hold(token)
+    with guard_thread(source.backend, source.ttl, thread_id, wait=wait):
+        yield
 
 
 @asynccontextmanager
 async def _aleased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> AsyncIterator[None]:
     """Async form of :func:`_leased`."""
-    executor = find_executor(graph)
-    backend = executor.leases if executor is not None else None
-    if executor is None or backend is None:
+    source = lease_source(graph)
+    if source is None:
         yield
         return
-    name = thread_lease_name(thread_id)
-    async with ahold(backend, name, ttl=executor.lease_ttl, wait=wait) as held:
-        token = set_thread_hold(held)
-        try:
-            yield
-        finally:
-            reset_thread_hold(token)
+    async with aguard_thread(source.abackend, source.ttl, thread_id, wait=wait):
+        yield
 
 
 def run(
@@ -126,12 +130,17 @@ def run(
 ) -> Any:
     """Invoke the graph on a thread while holding the thread's lease.
 
+    Unfinished work of the thread is settled first (:mod:`taskpilots_graph.unfinished`):
+    work a stopped run left is continued, orphan intents are reconciled, and tool calls
+    still open are answered truthfully before the new input, so the model never sees an
+    unanswered call and no effect runs twice.
+
     Example:
         >>> tp.run(graph, "t-1", {"messages": [("user", goal)]})  # doctest: +SKIP
 
     Args:
-        graph: The compiled graph; with a lease backend (``create_recovery_agent(leases=)``)
-            the call holds ``thread:<thread_id>``, without one it is ``graph.invoke``.
+        graph: The compiled graph; the call holds ``thread:<thread_id>`` in its lease
+            backend (named, or the checkpointer's own database).
         thread_id: The thread to run.
         input: The graph's input (e.g. ``{"messages": [...]}``).
         config: Extra run config (callbacks, recursion limit, ...).
@@ -143,11 +152,15 @@ def run(
 
     Raises:
         ThreadBusy: Another process runs the thread (and ``wait`` is false); nothing ran.
+        PendingTakeover: The thread waits on a person's decision (``decide`` first).
+        SideEffectUncertain: An effect of the thread is uncertain and nobody is asked.
         LeaseLost: The lease was lost mid-run; the run stopped before its next side effect.
         LockBackendUnavailable: The lease backend is unreachable; nothing ran.
     """
     cfg = _config(thread_id, config)
     with _leased(graph, thread_id, wait):
+        if not _guarded(graph):
+            input = before_run(graph, cfg, input)
         return graph.invoke(input, cfg, **kwargs)
 
 
@@ -163,7 +176,31 @@ async def arun(
     """Async form of :func:`run`."""
     cfg = _config(thread_id, config)
     async with _aleased(graph, thread_id, wait):
+        if not _guarded(graph):
+            input = await abefore_run(graph, cfg, input)
         return await graph.ainvoke(input, cfg, **kwargs)
+
+
+def _guarded(graph: Pregel[Any, Any]) -> bool:
+    """Whether the graph's own ``invoke`` settles unfinished work (the recovery agent's
+    guarded entry points do); otherwise (``create_agent`` graphs) the runner does it."""
+    from taskpilots_graph.agent import RecoveryGraph
+
+    return isinstance(graph, RecoveryGraph)
+
+
+def _settle_unstored(thread_id: str, outcomes: list[OrphanOutcome]) -> None:
+    """After reconciling a thread that has ledger entries but no checkpoint: an effect
+    nobody can confirm is handed to a person (named), everything else is settled."""
+    for outcome in outcomes:
+        if outcome.status is LedgerStatus.UNCERTAIN:
+            raise SideEffectUncertain(
+                key=outcome.key,
+                tool=outcome.tool,
+                thread_id=thread_id,
+                reason="the run stopped before its first checkpoint and nothing can tell "
+                "whether the effect happened",
+            )
 
 
 def _has_work(snapshot: StateSnapshot, thread_id: str) -> bool:
@@ -187,27 +224,43 @@ def resume(
     Completed steps are not run again; side effects recorded in the ledger are reconciled,
     not repeated. A thread with nothing left to do returns its current values.
 
+    A thread with ledger entries but no checkpoint (durability ``"exit"``, or a crash before
+    the first checkpoint) is found by its ledger: each intent its run left is reconciled
+    from the ledger alone (pre-check ``Done``: committed; ``NotDone``: recorded as not
+    performed; otherwise uncertain, for a person), nothing is executed, and its (empty)
+    values are returned. Running the same input again then continues from what happened.
+
     Args:
         graph: The compiled graph (with its checkpointer) that ran the thread.
         thread_id: The thread to continue.
         config: Extra run config (callbacks, recursion limit, ...).
-        wait: With a lease backend, wait for another runner of the thread instead of
-            raising ``ThreadBusy``.
+        wait: Wait for another runner of the thread instead of raising ``ThreadBusy``.
         **kwargs: Passed to ``graph.invoke`` (e.g. ``durability=``).
 
     Returns:
         What ``graph.invoke`` returns.
 
     Raises:
-        ThreadNotFound: If the thread has no checkpoint.
+        ThreadNotFound: If the thread has neither a checkpoint nor a ledger entry.
         PendingTakeover: If the thread waits on a person (answer it with ``decide``).
-        ThreadBusy: Another process runs the thread (graphs with a lease backend).
+        SideEffectUncertain: A thread without a checkpoint left an effect nobody can
+            confirm (named; a person decides).
+        ThreadBusy: Another runner holds the thread (and ``wait`` is false).
     """
     cfg = _config(thread_id, config)
     with _leased(graph, thread_id, wait):
         cp = _saver(graph)
         if cp.get_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
+            # No checkpoint (durability "exit", a crash before the first one): the ledger
+            # may still hold the thread's intents, and only they can say what happened.
+            if not isinstance(cp, RecoveryAPI) or not cp.ledger(thread_id):
+                raise ThreadNotFound(thread_id)
+            _settle_unstored(thread_id, reconcile_orphans(graph, cp, thread_id))
+            return graph.get_state(cfg).values
+        if isinstance(cp, RecoveryAPI) and orphan_intents(cp.ledger(thread_id)):
+            # Intents the checkpoint may not show (durability "async" and a crash): the
+            # ledger is their only trace. Settled first, the run continues past them.
+            reconcile_orphans(graph, cp, thread_id)
         snapshot = graph.get_state(cfg)
         if not _has_work(snapshot, thread_id):
             return snapshot.values
@@ -230,7 +283,12 @@ async def aresume(
     async with _aleased(graph, thread_id, wait):
         cp = _saver(graph)
         if await cp.aget_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
+            if not isinstance(cp, RecoveryAPI) or not await cp.aledger(thread_id):
+                raise ThreadNotFound(thread_id)
+            _settle_unstored(thread_id, await areconcile_orphans(graph, cp, thread_id))
+            return (await graph.aget_state(cfg)).values
+        if isinstance(cp, RecoveryAPI) and orphan_intents(await cp.aledger(thread_id)):
+            await areconcile_orphans(graph, cp, thread_id)
         snapshot = await graph.aget_state(cfg)
         if not _has_work(snapshot, thread_id):
             return snapshot.values

@@ -409,8 +409,9 @@ class Supervisor:
     """Health checks and recovery for the threads of one graph (sync and async).
 
     Args:
-        graph: A graph built with a lease backend (``create_recovery_agent(leases=...)``);
-            without leases a running thread cannot be told from one whose worker died.
+        graph: A recovery agent (``create_recovery_agent``): its thread leases (in the
+            backend named with ``leases=``, else in its checkpointer's own database) tell
+            a running thread from one whose worker died.
         dispatch: ``dispatch(thread_id, attribution)`` hands each resume to a queue (e.g.
             :func:`taskpilots_graph.workers.enqueue_resume`) instead of running it here.
         max_failures: Resumes of one checkpoint that may raise before the thread is given up
@@ -418,7 +419,7 @@ class Supervisor:
         failure_backoff: Seconds before retrying a failed resume, doubling each time.
 
     Raises:
-        ConfigurationError: If the graph has no recovery executor with a lease backend.
+        ConfigurationError: If the graph has no recovery executor.
     """
 
     def __init__(
@@ -430,16 +431,15 @@ class Supervisor:
         failure_backoff: float = 2.0,
     ) -> None:
         executor = find_executor(graph)
-        if executor is None or executor.leases is None:
+        if executor is None:
             raise ConfigurationError(
-                "the supervisor needs a graph with a lease backend, e.g. "
-                "create_recovery_agent(..., leases=lease_backend_from_url(url)): without "
-                "leases a running thread cannot be told from one whose worker died"
+                "the supervisor needs a graph built by create_recovery_agent: without its "
+                "thread leases a running thread cannot be told from one whose worker died"
             )
         if max_failures < 1 or failure_backoff < 0:
             raise ConfigurationError("max_failures must be >= 1 and failure_backoff >= 0")
         self.graph = graph
-        self.leases: LeaseBackend = executor.leases
+        self.leases: LeaseBackend = executor.lease_backend()
         self.agent = str(getattr(graph, "name", None) or "graph")
         self.dispatch = dispatch
         self.max_failures = max_failures
@@ -671,7 +671,7 @@ def supervise(
     """Scan the graph's threads every ``interval`` seconds and resume the ones that need it.
 
     Args:
-        graph: A graph built with a lease backend (see :class:`Supervisor`).
+        graph: A recovery agent (see :class:`Supervisor`).
         interval: Seconds between scans.
         once: Scan once and return (for cron, tests, the CLI's ``--once``).
         dispatch: Hand resumes to a queue instead of running them in this process.
@@ -683,7 +683,7 @@ def supervise(
         The last scan's report (once ``once`` or ``stop`` ends the loop).
 
     Raises:
-        ConfigurationError: For a graph without leases or a bad interval.
+        ConfigurationError: For a graph that is no recovery agent, or a bad interval.
         LockBackendUnavailable: With ``once``, when the lease backend is unreachable; the
             loop instead logs it and tries again next interval.
     """

@@ -17,6 +17,11 @@ status              meaning
 ``failed``          ended failed.
 ==================  ============================================================================
 
+Nothing is hidden behind ``closed`` or ``failed``: a thread with a ledger entry left
+``intended`` by a run that stopped is ``running`` (``resume`` or new input reconciles it),
+and one with an ``uncertain`` entry is ``awaiting_human``, whatever its flow says; the reason
+names the entries.
+
 The flow stage is taken from the checkpoint, with the writes pending on it applied (after a
 crash between a node's writes and the next checkpoint they hold the newest stage). A thread
 whose flow says ``closed`` or ``failed`` but whose log shows a newer turn (a user message
@@ -25,8 +30,8 @@ after the last ``agent_finished``) is ``running``. Graphs without the recovery a
 
 :func:`list_threads` enumerates thread ids by scanning ``checkpointer.list(None)``, i.e. every
 stored checkpoint, then describes each thread: fine for a CLI or a dashboard, not for a hot
-path. Threads that have only events (no checkpoint) are found only when named in
-``thread_ids``.
+path. Threads with ledger entries but no checkpoint (durability ``"exit"`` and a crash) are
+listed too; threads that have only events are found only when named in ``thread_ids``.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
-from taskpilots_graph.ledger import LedgerEntry
+from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
 from taskpilots_graph.state import FlowState, StepRecord, merge_flow, merge_steps
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "scan_thread_ids",
     "status_from_events",
     "thread_info",
+    "undecided_uncertain",
 ]
 
 ThreadStatus = Literal["running", "waiting_tool", "awaiting_human", "closed", "failed"]
@@ -125,8 +131,14 @@ class ThreadInfo:
         retries: ``retry_scheduled`` events.
         takeovers: ``takeover_requested`` events.
         effects: Ledger entries recorded by the thread.
+        intended_effects: Of those, entries left ``intended`` by a run that stopped (not
+            paused on a person): an effect that may have happened and is not reconciled
+            yet (``resume`` or new input reconciles it first).
+        uncertain_effects: Of those, entries nobody could confirm: a person decides.
 
-    The event counts are over the whole log, superseded events included.
+    The event counts are over the whole log, superseded events included. A thread with an
+    intended or uncertain entry is never ``closed`` (nor ``failed``): ``running`` while an
+    intent waits to be reconciled, ``awaiting_human`` while an effect is uncertain.
     """
 
     thread_id: str
@@ -147,6 +159,13 @@ class ThreadInfo:
     retries: int = 0
     takeovers: int = 0
     effects: int = 0
+    intended_effects: int = 0
+    uncertain_effects: int = 0
+
+    @property
+    def unsettled_effects(self) -> int:
+        """Entries that are neither settled nor known not to have happened."""
+        return self.intended_effects + self.uncertain_effects
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (times as ISO 8601 strings)."""
@@ -254,9 +273,10 @@ def describe_thread(
     """Build a :class:`ThreadInfo` from what was read (I/O free).
 
     Raises:
-        ThreadNotFound: If there is neither a checkpoint nor an event.
+        ThreadNotFound: If there is neither a checkpoint, nor an event, nor a ledger entry.
     """
-    if found is None and not events:
+    own = [e for e in ledger if e.thread_id == thread_id]
+    if found is None and not events and not own:
         raise ThreadNotFound(thread_id)
     flow = _flow(found) if found is not None else None
     interrupted, takeover = _interrupts(found) if found is not None else (False, False)
@@ -269,6 +289,19 @@ def describe_thread(
             status = "running"
     else:
         status = status_from_events(events)
+    intended = [e for e in own if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)]
+    uncertain = [e for e in own if e.status is LedgerStatus.UNCERTAIN]
+    reason = flow.get("reason") if flow else None
+    # Nothing hidden: an effect that may have happened and is not settled keeps the thread
+    # open, whatever its flow says (a crash after the effect, a stopped run). An uncertain
+    # effect a person already decided on (e.g. abandoned) stays counted, not waiting.
+    undecided = undecided_uncertain(uncertain, events)
+    if undecided and status != "awaiting_human":
+        status = "awaiting_human"
+        reason = _unsettled_reason("uncertain", undecided)
+    elif intended and status in ("closed", "failed"):
+        status = "running"
+        reason = _unsettled_reason("not reconciled", intended)
     counts = dict.fromkeys(EventKind, 0)
     for event in events:
         counts[event.kind] += 1
@@ -279,7 +312,7 @@ def describe_thread(
         thread_id=thread_id,
         status=status,
         stage=str(flow["stage"]) if flow and flow.get("stage") else None,
-        reason=flow.get("reason") if flow else None,
+        reason=reason,
         retry_at=flow.get("retry_at") if flow and status == "waiting_tool" else None,
         takeover_pending=takeover,
         current_step=_open_step(found) if found is not None else None,
@@ -293,8 +326,32 @@ def describe_thread(
         tool_failures=counts[EventKind.TOOL_FAILED],
         retries=counts[EventKind.RETRY_SCHEDULED],
         takeovers=counts[EventKind.TAKEOVER_REQUESTED],
-        effects=sum(1 for e in ledger if e.thread_id == thread_id),
+        effects=len(own),
+        intended_effects=len(intended),
+        uncertain_effects=len(uncertain),
     )
+
+
+def undecided_uncertain(
+    entries: Sequence[LedgerEntry], events: Sequence[Event]
+) -> list[LedgerEntry]:
+    """The ``uncertain`` entries no person has decided on since they became uncertain.
+
+    A decision recorded after the entry last changed (a takeover answered, whatever the
+    action) means a person has seen it; the entry may stay ``uncertain`` (``abandon``).
+    """
+    decided = [e.ts for e in events if e.kind is EventKind.DECISION_RECORDED and not e.superseded]
+    return [
+        e
+        for e in entries
+        if e.status is LedgerStatus.UNCERTAIN and not any(t >= e.updated_at for t in decided)
+    ]
+
+
+def _unsettled_reason(what: str, entries: Sequence[LedgerEntry]) -> str:
+    named = ", ".join(f"{e.tool} ({e.key})" for e in entries[:3])
+    more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+    return f"{len(entries)} effect(s) {what}: {named}{more}"
 
 
 def recovery_api(checkpointer: BaseCheckpointSaver[Any]) -> RecoveryAPI:
@@ -331,7 +388,8 @@ def thread_info(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Threa
         'awaiting_human'
 
     Raises:
-        ThreadNotFound: If the thread has neither a checkpoint nor an event.
+        ThreadNotFound: If the thread has neither a checkpoint, nor an event, nor a ledger
+            entry.
         ConfigurationError: If ``checkpointer`` is not a recovery checkpointer.
     """
     cp = recovery_api(checkpointer)
@@ -373,7 +431,11 @@ def list_threads(
     Raises:
         ThreadNotFound: If a named thread has neither a checkpoint nor an event.
     """
-    ids = list(thread_ids) if thread_ids is not None else scan_thread_ids(checkpointer)
+    if thread_ids is not None:
+        ids = list(thread_ids)
+    else:
+        ledger = recovery_api(checkpointer).ledger(None)
+        ids = [*scan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
     return [thread_info(checkpointer, t) for t in sorted(dict.fromkeys(ids))]
 
 
@@ -381,5 +443,9 @@ async def alist_threads(
     checkpointer: BaseCheckpointSaver[Any], *, thread_ids: Sequence[str] | None = None
 ) -> list[ThreadInfo]:
     """Async form of :func:`list_threads`."""
-    ids = list(thread_ids) if thread_ids is not None else await ascan_thread_ids(checkpointer)
+    if thread_ids is not None:
+        ids = list(thread_ids)
+    else:
+        ledger = await recovery_api(checkpointer).aledger(None)
+        ids = [*await ascan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
     return [await athread_info(checkpointer, t) for t in sorted(dict.fromkeys(ids))]

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.ledger import Compensate, KeyFn, LockFn, Precheck, SideEffectSpec
 
-__all__ = ["Invocation", "SideEffectTool", "current_invocation", "side_effect", "spec_of"]
+__all__ = [
+    "Invocation",
+    "SideEffectTool",
+    "check_args",
+    "current_invocation",
+    "side_effect",
+    "spec_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +110,33 @@ class SideEffectTool(BaseTool):
         return await self.tool.ainvoke(args[0] if args else kwargs, config=config)
 
 
+def check_args(tool: BaseTool, args: Mapping[str, Any]) -> None:
+    """Raise the tool's own ``ValidationError`` if its argument schema rejects ``args``.
+
+    Run before a side effect's intent is written, so that arguments the tool would refuse
+    before its body starts fail as "not sent", and an error raised once the body runs is
+    known to come from the body (where it may follow the effect). It validates as
+    ``BaseTool.invoke`` does: against the tool's ``args_schema`` when that is a pydantic
+    model (its validators included), not at all otherwise. Fields the tool node injects
+    (``InjectedToolArg``, ``ToolRuntime``) are not the model's to give, so their absence
+    is no error.
+    """
+    schema = tool.args_schema
+    if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+        return
+    try:
+        schema.model_validate(dict(args))
+    except ValidationError as exc:
+        # The model-facing schema lacks the injected fields.
+        given = getattr(tool.tool_call_schema, "model_fields", None) or schema.model_fields
+        injected = set(schema.model_fields) - set(given)
+        if any(
+            not (error["type"] == "missing" and error["loc"] and error["loc"][0] in injected)
+            for error in exc.errors()
+        ):
+            raise
+
+
 def spec_of(tool: BaseTool) -> SideEffectSpec | None:
     """The side-effect declaration of ``tool``, or ``None`` for a pure tool."""
     return tool.spec if isinstance(tool, SideEffectTool) else None
@@ -119,6 +153,8 @@ def side_effect(
     lock: LockFn | None = ...,
     confirm_drift: bool = ...,
     drift_comparator: Callable[[Any, Any], bool] | None = ...,
+    not_sent: tuple[type[BaseException], ...] = ...,
+    repeatable: bool = ...,
 ) -> SideEffectTool: ...
 
 
@@ -133,6 +169,8 @@ def side_effect(
     lock: LockFn | None = ...,
     confirm_drift: bool = ...,
     drift_comparator: Callable[[Any, Any], bool] | None = ...,
+    not_sent: tuple[type[BaseException], ...] = ...,
+    repeatable: bool = ...,
 ) -> Callable[[BaseTool], SideEffectTool]: ...
 
 
@@ -146,6 +184,8 @@ def side_effect(
     lock: LockFn | None = None,
     confirm_drift: bool = False,
     drift_comparator: Callable[[Any, Any], bool] | None = None,
+    not_sent: tuple[type[BaseException], ...] = (),
+    repeatable: bool = False,
 ) -> SideEffectTool | Callable[[BaseTool], SideEffectTool]:
     """Declare a LangChain tool as side-effecting, so the executor runs it through the ledger.
 
@@ -166,13 +206,13 @@ def side_effect(
         lock: ``lock(args) -> str`` names the business object to lock, as
             ``"<object_id>:<operation>"`` (split on the *last* ``:``, e.g.
             ``"order-42:refund"``), or just ``"<object_id>"`` (the operation is then the
-            tool's name). With a lease backend (``create_recovery_agent(leases=...)``) the
-            tool runs only while holding that business lock; its fencing token goes on the
+            tool's name). The tool runs only while holding that business lock, in the lease
+            backend named with ``leases=`` or else in the checkpointer's own database; its
+            fencing token goes on the
             ledger entry (``extra["fencing"]``) and into ``current_invocation().fencing``.
             An unreachable backend fails the call closed as an ``EXTERNAL_OUTAGE`` (it is
             never run unlocked); a lock held elsewhere is waited for up to the lease TTL,
-            then the call fails as ``TRANSIENT`` and is retried per policy. Without a lease
-            backend the name is recorded on the ledger entry but not enforced.
+            then the call fails as ``TRANSIENT`` and is retried per policy.
         confirm_drift: When the same call runs again (a replayed step, a person's retry)
             and returns a different result than the one logged before, a person confirms
             it (accept, retry, skip, provide the result, abandon) instead of the new result
@@ -182,6 +222,16 @@ def side_effect(
             concerns executions whose earlier result was logged but not committed.
         drift_comparator: ``comparator(previous, current) -> bool``, true when two results
             mean the same (e.g. ignore a timestamp field); default: equal JSON.
+        not_sent: Exception types the tool raises only *before* its request leaves (its
+            own input checks, say): such a failure is "not sent" and the call may run again
+            under its key. Anything else raised from the tool's body counts as possibly
+            sent (a reply that fails to parse arrives after the service acted), as does
+            any exception without a false ``maybe_sent`` attribute. Arguments the tool's
+            schema rejects never reach the body and need no declaration.
+        repeatable: The same tool with the same arguments, called again in the thread, is
+            meant as a second effect. By default such a call (a model that re-plans an
+            effect it lost sight of) is not executed: the model gets the earlier result
+            with the note "already done at step N".
 
     Raises:
         ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is
@@ -195,6 +245,8 @@ def side_effect(
         lock=lock,
         confirm_drift=confirm_drift,
         drift_comparator=drift_comparator,
+        not_sent=not_sent,
+        repeatable=repeatable,
     )
 
     def wrap(target: BaseTool) -> SideEffectTool:

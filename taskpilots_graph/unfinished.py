@@ -4,22 +4,534 @@
 recovery graph (``invoke`` / ``stream`` / ``ainvoke`` / ``astream`` on the compiled agent, and
 the runners in :mod:`taskpilots_graph.runner`) while the thread's lease is held, before the
 graph starts. They return the input to run with.
+
+Why: LangGraph starts new input from the graph's entry and *discards* the tasks a stopped run
+left behind. A thread killed mid side effect, waiting for a tool, or stopped before its
+model saw a tool's answer would then send the provider a conversation with an unanswered
+tool call (HTTP 400), or let the model decide the same effect again under new tool-call ids,
+hence new ledger keys: the effect runs twice and the first intent stays ``intended`` forever.
+So, before new input runs:
+
+1. **A pending takeover** (an interrupt waiting on a person) refuses the input with
+   :class:`~taskpilots_graph.errors.PendingTakeover`: new input would silently drop the
+   question, and only the person can settle what it is about (``tp.decide``).
+2. **Orphan intents** (entries a stopped run left ``intended``) are reconciled from the
+   ledger alone (:func:`reconcile_orphans`): pre-check ``Done`` commits, ``NotDone`` records
+   that the effect never happened, an idempotent tool's unknown outcome stays retryable
+   under its key, anything else is ``uncertain`` for a person. The ledger is the only trace
+   where durability ``"async"`` / ``"exit"`` lost the checkpoint showing the call; settling
+   it first means whatever the model decides next meets a settled entry.
+3. **Work the stopped run left** (LangGraph's ``next`` or ``tasks``) is continued, as
+   ``tp.resume`` would: the executor answers the interrupted call through the ledger
+   (recorded result, pre-check, idempotent re-run, or a takeover), and the old turn ends.
+4. **Calls still open** (a tool waiting for ``retry_at``) are answered with a truthful
+   ``ToolMessage`` placed before the new message, and their steps are closed: the model
+   reads that the call did not complete and may call it again.
+
+An ``uncertain`` effect nobody is asked about (no takeover pending, the thread not closed)
+refuses the input with :class:`~taskpilots_graph.ledger.SideEffectUncertain`: a model given
+new input could decide the same effect again.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, cast
 
+from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.types import Command, StateSnapshot
 
-__all__ = ["abefore_run", "before_run"]
+from taskpilots_graph import _clock
+from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.errors import PendingTakeover, ToolWaiting
+from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.ledger import (
+    PAUSED,
+    Done,
+    LedgerEntry,
+    LedgerStatus,
+    NotDone,
+    SideEffectUncertain,
+    Unknown,
+)
+from taskpilots_graph.tools import spec_of
+
+__all__ = [
+    "OrphanOutcome",
+    "abefore_run",
+    "areconcile_orphans",
+    "before_run",
+    "orphan_intents",
+    "reconcile_orphans",
+    "valid_conversation",
+]
+
+MAX_ROUNDS = 4
+"""Continuations of left-over work before new input runs (each may stop on a new wait)."""
+
+NO_ANSWER = "Error: no answer was recorded for this call; it may not have run."
+"""What the model reads for a tool call found without an answer (see
+:func:`valid_conversation`)."""
+
+
+# -- what the model may be shown -------------------------------------------------------------
+
+
+def valid_conversation(messages: Sequence[BaseMessage]) -> list[BaseMessage]:
+    """``messages`` with every tool call answered exactly once, before the next message.
+
+    Providers reject a conversation in which an AI message's tool call has no
+    ``ToolMessage`` before the next human or AI message (OpenAI-compatible APIs: HTTP 400,
+    and a retry sends the same invalid body). A call left open gets :data:`NO_ANSWER` right
+    after its last answered sibling; an answer to no open call (a duplicate, or one whose
+    call left the conversation) is dropped. A valid conversation is returned unchanged.
+    """
+    out: list[BaseMessage] = []
+    open_calls: dict[str, ToolCall] = {}
+    changed = False
+
+    def close() -> None:
+        nonlocal changed
+        for call_id, call in open_calls.items():
+            out.append(
+                ToolMessage(
+                    content=NO_ANSWER, tool_call_id=call_id, name=call["name"], status="error"
+                )
+            )
+            changed = True
+        open_calls.clear()
+
+    for message in messages:
+        if isinstance(message, ToolMessage):
+            if open_calls.pop(message.tool_call_id, None) is not None:
+                out.append(message)
+            else:
+                changed = True
+            continue
+        close()
+        out.append(message)
+        if isinstance(message, AIMessage):
+            open_calls = {c["id"] or "": c for c in message.tool_calls}
+    close()
+    return out if changed else list(messages)
+
+
+# -- orphan intents, from the ledger alone ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OrphanOutcome:
+    """What reconciling one orphan intent found.
+
+    Attributes:
+        key: The ledger key.
+        tool: The tool.
+        status: The entry's status afterwards (``committed``, ``failed``, ``uncertain``, or
+            still ``intended`` when no tool of the graph can reconcile it).
+        outcome: ``done``, ``not_done``, ``unknown_idempotent``, ``uncertain`` or
+            ``unknown_tool``.
+    """
+
+    key: str
+    tool: str
+    status: LedgerStatus
+    outcome: str
+
+
+def orphan_intents(entries: Sequence[LedgerEntry]) -> list[LedgerEntry]:
+    """Entries left ``intended`` by a run that stopped (not paused on an interrupt).
+
+    Called while the thread's lease is held (or by ``resume`` of a thread nobody runs), so
+    no live run of the thread can own them.
+    """
+    return [e for e in entries if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)]
+
+
+def _graph_tools(graph: Any) -> dict[str, BaseTool]:
+    from taskpilots_graph.drills import graph_tools
+
+    return graph_tools(graph)
+
+
+def _event(entry: LedgerEntry, kind: EventKind, **payload: Any) -> EventRecord:
+    body = {"tool": entry.tool, "key": entry.key, "tool_call_id": entry.tool_call_id, **payload}
+    return prepare_event(
+        entry.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=entry.checkpoint_ns
+    )
+
+
+def _settled(
+    entry: LedgerEntry, answer: Any, idempotent: bool
+) -> tuple[LedgerEntry, EventRecord, str]:
+    """The entry after the pre-check's ``answer`` (``None``: the tool has no pre-check)."""
+    from taskpilots_graph.nodes._protocol import recordable
+
+    now = datetime.now(UTC)
+    if isinstance(answer, Done):
+        result, reduced = recordable(answer.result)
+        proof, proof_reduced = recordable(answer.proof)
+        done = replace(
+            entry,
+            status=LedgerStatus.COMMITTED,
+            result=result,
+            proof=proof,
+            updated_at=now,
+            extra={
+                **entry.extra,
+                "reconciled": "precheck_done",
+                "result_reduced": reduced or proof_reduced,
+            },
+        )
+        return done, _event(entry, EventKind.EFFECT_RECONCILED, outcome="done"), "done"
+    if isinstance(answer, NotDone):
+        # The effect never happened: the entry is closed as a call that was not performed,
+        # so the same key executes normally if it is ever called again.
+        failed = replace(
+            entry,
+            status=LedgerStatus.FAILED,
+            error={
+                "type": "NotPerformed",
+                "message": "the run stopped before the effect; the pre-check found no trace",
+                "maybe_sent": False,
+            },
+            updated_at=now,
+        )
+        return failed, _event(entry, EventKind.EFFECT_RECONCILED, outcome="not_done"), "not_done"
+    reason = (
+        f"the pre-check could not tell ({answer.reason})"
+        if isinstance(answer, Unknown)
+        else "it has no pre-check"
+    )
+    if idempotent:
+        # The service deduplicates by key: a later call under this key is safe, and until
+        # then the effect counts as possibly performed.
+        failed = replace(
+            entry,
+            status=LedgerStatus.FAILED,
+            error={
+                "type": "OutcomeUnknown",
+                "message": f"the run stopped mid-call and {reason}",
+                "maybe_sent": True,
+            },
+            updated_at=now,
+        )
+        event = _event(entry, EventKind.EFFECT_RECONCILED, outcome="unknown_idempotent")
+        return failed, event, "unknown_idempotent"
+    marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=now)
+    why = f"the run stopped after the call may have been sent and {reason}"
+    return marked, _event(entry, EventKind.EFFECT_UNCERTAIN, reason=why), "uncertain"
+
+
+def _context(entry: LedgerEntry) -> Any:
+    from taskpilots_graph.nodes._protocol import CallContext
+
+    return CallContext(
+        thread_id=entry.thread_id,
+        checkpoint_ns=entry.checkpoint_ns,
+        tool=entry.tool,
+        args=dict(entry.args),
+        tool_call_id=entry.tool_call_id,
+        spec=None,
+        key=entry.key,
+    )
+
+
+def reconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
+    """Settle the thread's orphan intents from the ledger alone (no checkpoint needed).
+
+    Used where the graph cannot reach the call: the checkpoint showing it was never written
+    (durability ``"exit"`` or ``"async"`` and a crash). Each entry is asked about with its
+    tool's pre-check and moved with a compare-and-set, like the executor does; an entry of
+    a tool this graph does not have is left as it is.
+    """
+    from taskpilots_graph.nodes._protocol import RunPrecheck
+    from taskpilots_graph.nodes.executor import _precheck
+
+    tools = _graph_tools(graph)
+    outcomes = []
+    for entry in orphan_intents(cp.ledger(thread_id)):
+        tool = tools.get(entry.tool)
+        spec = spec_of(tool) if tool is not None else None
+        if spec is None:
+            outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
+            continue
+        answer = None
+        if spec.precheck is not None:
+            ctx = replace(_context(entry), spec=spec)
+            answer = _precheck(ctx, RunPrecheck(entry.key, dict(entry.args)))
+        after, event, outcome = _settled(entry, answer, spec.idempotent)
+        cp.write_ledger(after, expect=(entry.status, entry.attempt), events=[event])
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, after.status, outcome))
+    return outcomes
+
+
+async def areconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
+    """Async form of :func:`reconcile_orphans`."""
+    from taskpilots_graph.nodes._protocol import RunPrecheck
+    from taskpilots_graph.nodes.executor import _aprecheck
+
+    tools = _graph_tools(graph)
+    outcomes = []
+    for entry in orphan_intents(await cp.aledger(thread_id)):
+        tool = tools.get(entry.tool)
+        spec = spec_of(tool) if tool is not None else None
+        if spec is None:
+            outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
+            continue
+        answer = None
+        if spec.precheck is not None:
+            ctx = replace(_context(entry), spec=spec)
+            answer = await _aprecheck(ctx, RunPrecheck(entry.key, dict(entry.args)))
+        after, event, outcome = _settled(entry, answer, spec.idempotent)
+        await cp.awrite_ledger(after, expect=(entry.status, entry.attempt), events=[event])
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, after.status, outcome))
+    return outcomes
+
+
+# -- the checks before new input --------------------------------------------------------------
+
+
+def _skip(graph: Any, config: RunnableConfig, input: Any) -> bool:
+    """Input that is not new (resume, a decision) or a graph run inside another graph."""
+    if input is None or isinstance(input, Command):
+        return True
+    if not isinstance(getattr(graph, "checkpointer", None), RecoveryAPI):
+        return True
+    conf = config.get("configurable") or {}
+    # A subgraph call: the parent's run owns the thread and its unfinished work.
+    return bool(conf.get("checkpoint_ns")) or not conf.get("thread_id")
+
+
+def _refuse_takeover(thread_id: str, snapshot: StateSnapshot) -> None:
+    if not snapshot.interrupts:
+        return
+    ids = [i.id for i in snapshot.interrupts]
+    err = PendingTakeover(thread_id, ids)
+    err.args = (
+        f"thread {thread_id!r} waits on a person's decision (pending takeover "
+        f"{', '.join(ids)}); new input was not run. Answer it first with "
+        f"tp.decide(graph, {thread_id!r}, tp.Decision(...)) (or `taskpilots decide`)",
+    )
+    raise err
+
+
+def _refuse_uncertain(
+    thread_id: str, entries: Sequence[LedgerEntry], events: Sequence[Event]
+) -> None:
+    from taskpilots_graph.threads import undecided_uncertain
+
+    # One a person already decided on (e.g. abandoned) is on record and asks nobody.
+    for entry in undecided_uncertain(entries, events):
+        raise SideEffectUncertain(
+            key=entry.key,
+            tool=entry.tool,
+            thread_id=thread_id,
+            reason="an earlier run of this thread left it uncertain and no takeover "
+            "asks a person about it; new input was not run",
+        )
+
+
+def _retry_at(snapshot: StateSnapshot, events: Sequence[Event]) -> float | None:
+    """When the thread's waiting tool is due, if it waits for one.
+
+    From the recovery agent's flow layer; a graph without one (``create_agent`` with
+    ``RecoveryMiddleware``) waits when its log ends in a retry no call has followed.
+    """
+    values = snapshot.values or {}
+    if "flow" in values:
+        flow = values.get("flow") or {}
+        due = flow.get("retry_at")
+        waiting = flow.get("stage") == "waiting_tool"
+        return float(due) if waiting and isinstance(due, int | float) else None
+    due = None
+    for event in events:
+        if event.superseded:
+            continue
+        if event.kind is EventKind.RETRY_SCHEDULED:
+            due = event.payload.get("retry_at")
+        elif event.kind in (EventKind.TOOL_INVOKED, EventKind.AGENT_STARTED):
+            due = None
+    return float(due) if isinstance(due, int | float) else None
+
+
+def _has_work(snapshot: StateSnapshot) -> bool:
+    # `next` alone is not enough: after a crash between a task's writes and the next
+    # checkpoint, `next` can be empty while `tasks` still holds the finished task.
+    return bool(snapshot.next or snapshot.tasks)
+
+
+def _resume_config(config: RunnableConfig, seq: int, snapshot: StateSnapshot) -> RunnableConfig:
+    from taskpilots_graph.nodes.think import RESUME_KEY
+
+    age = 0.0
+    if snapshot.created_at:
+        age = max(0.0, _clock.now() - datetime.fromisoformat(snapshot.created_at).timestamp())
+    conf = {**(config.get("configurable") or {}), RESUME_KEY: {"seq": seq, "age": age}}
+    return cast(RunnableConfig, {**config, "configurable": conf})
+
+
+def _when(retry_at: Any) -> str:
+    if not isinstance(retry_at, int | float):
+        return "a later time"
+    return datetime.fromtimestamp(float(retry_at), UTC).isoformat(timespec="seconds")
+
+
+def _answer_text(call: ToolCall, record: Mapping[str, Any], due: float | None) -> str:
+    failure = record.get("failure") or {}
+    error = failure.get("message") or failure.get("error_type")
+    why = f" after it failed ({str(error)[:200]})" if error else ""
+    retry_at = record.get("retry_at") or due
+    if retry_at:
+        return (
+            f"Not done: {call['name']} was waiting to be retried at {_when(retry_at)}"
+            f"{why}; that retry was dropped when a new message arrived. "
+            "Call it again if it is still needed."
+        )
+    return f"Not done: {call['name']} had no result when a new message arrived{why}."
+
+
+def _open_calls(
+    snapshot: StateSnapshot, due: float | None
+) -> tuple[list[ToolMessage], dict[str, Any]]:
+    """Truthful answers to every call still open, and the step updates closing them."""
+    from taskpilots_graph.nodes.executor import pending_calls
+
+    values = snapshot.values or {}
+    messages = values.get("messages") or []
+    _, calls = pending_calls(messages)
+    steps: Mapping[str, Any] = values.get("steps") or {}
+    answers = []
+    closed: dict[str, Any] = {}
+    for call in calls:
+        call_id = call["id"] or ""
+        record = steps.get(call_id) or {}
+        text = _answer_text(call, record, due)
+        answers.append(ToolMessage(text, tool_call_id=call_id, name=call["name"], status="error"))
+        if record:
+            closed[call_id] = {"status": "closed", "retry_at": None, "result": text[:120]}
+    return answers, closed
+
+
+def _with_answers(
+    graph: Any, input: Any, answers: list[ToolMessage], closed: dict[str, Any]
+) -> Any:
+    if not answers or not isinstance(input, Mapping) or "messages" not in input:
+        return input
+    given = input["messages"]
+    new = dict(input)
+    new["messages"] = [*answers, *(given if isinstance(given, list) else [given])]
+    channels = getattr(graph, "channels", None) or {}
+    if "steps" in channels and closed:
+        new["steps"] = {**closed, **(new.get("steps") or {})}
+    if "flow" in channels:
+        flow = {"stage": "running", "retry_at": None, "reason": None}
+        new["flow"] = {**flow, **(new.get("flow") or {})}
+    return new
+
+
+def _closed_event(thread_id: str, answers: list[ToolMessage]) -> EventRecord:
+    return prepare_event(
+        thread_id,
+        EventKind.CALLS_CLOSED,
+        {
+            "calls": [
+                {"tool_call_id": m.tool_call_id, "tool": m.name, "answer": str(m.content)[:200]}
+                for m in answers
+            ]
+        },
+        checkpoint_id=None,
+        checkpoint_ns="",
+    )
 
 
 def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
-    """Settle the thread's unfinished work before ``input`` runs; returns the input to run."""
-    return input
+    """Settle the thread's unfinished work before ``input`` runs; returns the input to run.
+
+    See the module docstring for the order. ``None`` and ``Command`` inputs (resume, a
+    decision) pass unchanged, as does a graph run as another graph's subgraph.
+
+    Raises:
+        PendingTakeover: A person must answer the thread's takeover first (``tp.decide``).
+        SideEffectUncertain: An effect of the thread is uncertain and nobody is asked.
+    """
+    if _skip(graph, config, input):
+        return input
+    cp = cast(RecoveryAPI, graph.checkpointer)
+    thread_id = str(config["configurable"]["thread_id"])
+    # Orphans first: once settled, whatever the continued run decides about the same
+    # effect meets a settled entry (and the repeat guard), not an open one.
+    if orphan_intents(cp.ledger(thread_id)):
+        reconcile_orphans(graph, cp, thread_id)
+    due: float | None = None
+    for _ in range(MAX_ROUNDS):
+        snapshot = graph.get_state(config)
+        _refuse_takeover(thread_id, snapshot)
+        if not _has_work(snapshot):
+            break
+        due = _retry_at(snapshot, cp.events(thread_id))
+        if due is not None and due > _clock.now():
+            break
+        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
+        try:
+            _invoke(graph, None, _resume_config(config, event.seq, snapshot))
+        except ToolWaiting:
+            continue  # the state says waiting_tool: its open call is answered below
+    if orphan_intents(cp.ledger(thread_id)):
+        reconcile_orphans(graph, cp, thread_id)
+    snapshot = graph.get_state(config)
+    _refuse_takeover(thread_id, snapshot)
+    _refuse_uncertain(thread_id, cp.ledger(thread_id), cp.events(thread_id))
+    answers, closed = _open_calls(snapshot, due)
+    if answers:
+        cp.append_records([_closed_event(thread_id, answers)])
+    return _with_answers(graph, input, answers, closed)
 
 
 async def abefore_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
     """Async form of :func:`before_run`."""
-    return input
+    if _skip(graph, config, input):
+        return input
+    cp = cast(RecoveryAPI, graph.checkpointer)
+    thread_id = str(config["configurable"]["thread_id"])
+    if orphan_intents(await cp.aledger(thread_id)):
+        await areconcile_orphans(graph, cp, thread_id)
+    due: float | None = None
+    for _ in range(MAX_ROUNDS):
+        snapshot = await graph.aget_state(config)
+        _refuse_takeover(thread_id, snapshot)
+        if not _has_work(snapshot):
+            break
+        due = _retry_at(snapshot, await cp.aevents(thread_id))
+        if due is not None and due > _clock.now():
+            break
+        event = await cp.aappend_event(
+            thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
+        )
+        try:
+            await _ainvoke(graph, None, _resume_config(config, event.seq, snapshot))
+        except ToolWaiting:
+            continue
+    if orphan_intents(await cp.aledger(thread_id)):
+        await areconcile_orphans(graph, cp, thread_id)
+    snapshot = await graph.aget_state(config)
+    _refuse_takeover(thread_id, snapshot)
+    _refuse_uncertain(thread_id, await cp.aledger(thread_id), await cp.aevents(thread_id))
+    answers, closed = _open_calls(snapshot, due)
+    if answers:
+        await cp.aappend_records([_closed_event(thread_id, answers)])
+    return _with_answers(graph, input, answers, closed)
+
+
+def _invoke(graph: Any, input: Any, config: RunnableConfig) -> Any:
+    # A guarded graph's own invoke: its guard is re-entrant, and ``None`` input passes
+    # through this module unchanged, so this does not recurse.
+    return graph.invoke(input, config)
+
+
+async def _ainvoke(graph: Any, input: Any, config: RunnableConfig) -> Any:
+    return await graph.ainvoke(input, config)

@@ -268,9 +268,11 @@ def test_resume_refuses_a_thread_waiting_on_a_person(db: str) -> None:
 
 
 def test_rewind_to_a_checkpoint_repeats_no_committed_effect(db: str) -> None:
-    """``rewind ok --to <checkpoint of the reserve call>``: reserve is not run again.
+    """``rewind ok --to <checkpoint of the reserve call>``: no committed effect runs again.
 
-    The model decides anew after the target, so ``charge`` is a new call (a new key).
+    The model decides anew after the target, so ``charge`` is a new call (a new key) with
+    the arguments of the charge committed before the rewind: the repeat guard returns
+    that charge's recorded result instead of charging twice.
     """
     with tp.RecoveryCheckpointer.from_conn_string(db) as cp:
         history = list(cp.list({"configurable": {"thread_id": "ok"}}))
@@ -288,8 +290,9 @@ def test_rewind_to_a_checkpoint_repeats_no_committed_effect(db: str) -> None:
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["thread"]["status"] == "closed"
     assert SERVICE.executed("reserve") == reserved  # committed before the target: reconciled
-    (new_charge,) = SERVICE.executed("charge")[len(charged) :]
-    assert new_charge not in charged
+    assert SERVICE.executed("charge") == charged  # the re-decided charge was a repeat
+    with tp.RecoveryCheckpointer.from_conn_string(db) as cp:
+        assert tp.EventKind.REPEAT_CAUGHT in [e.kind for e in cp.events("ok")]
 
     assert_one_line_error(
         invoke("rewind", "ok", "--to", "no-such-milestone", "--graph", GRAPH, "--db", db),

@@ -276,21 +276,35 @@ def test_side_effect_fails_closed_while_the_business_lock_is_held(
     assert entry.extra["fencing"] == refunds.fencing[0]
 
 
-def test_lock_without_lease_backend_is_recorded_not_enforced(
+def test_lock_without_lease_backend_is_enforced_in_the_checkpointers_database(
     leased_cp: tuple[RecoveryCheckpointer, LeaseBackend],
 ) -> None:
-    """No lease backend: ``lock=`` is recorded on the entry, the tool runs, no fencing."""
+    """No lease backend named: ``lock=`` is enforced all the same, in the checkpointer's own
+    SQLite file; held elsewhere, the call fails closed (nothing run or written)."""
     cp, leases = leased_cp
     refunds = Refunds()
     graph = tp.create_recovery_agent(
-        PlanModel(plan=[("refund", {"order": "42"})]), [refunds.tool()], checkpointer=cp
+        PlanModel(plan=[("refund", {"order": "42"})]),
+        [refunds.tool()],
+        checkpointer=cp,
+        lease_ttl=0.5,
+        default_policy=PARK,
     )
-    assert leases.acquire(REFUND_LOCK, "other-agent", 30) is not None  # not consulted
-    tp.run(graph, "t", _go())
-    assert refunds.fencing == [None]
+    other = leases.acquire(REFUND_LOCK, "other-agent", 30)  # same file, another owner
+    assert other is not None
+    with testing.fake_clock() as clock:
+        with pytest.raises(tp.ToolWaiting) as waiting:
+            tp.run(graph, "t", _go())
+        assert refunds.at == []
+        assert cp.ledger("t") == []
+        assert leases.release(other)
+        clock.advance(waiting.value.retry_at - clock.now())
+        tp.resume(graph, "t")
+    (fencing,) = refunds.fencing
+    assert fencing is not None
+    assert fencing > other.fencing
     (entry,) = cp.ledger("t")
-    assert entry.lock == "order-42:refund"
-    assert "fencing" not in entry.extra
+    assert (entry.lock, entry.extra["fencing"]) == ("order-42:refund", fencing)
 
 
 def test_lock_name_split() -> None:

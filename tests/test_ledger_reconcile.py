@@ -83,12 +83,19 @@ class ScriptedModel(BaseChatModel):
         return ChatResult(generations=[ChatGeneration(message=message)])
 
 
+class AmountRejected(ValueError):
+    """The client's own check, before any request: it declares that nothing was sent."""
+
+    maybe_sent = False
+
+
 @dataclass
 class PaymentService:
     """In-process payment service: receipts by idempotency key, and every execution seen.
 
     ``behaviours`` is consumed one per execution (default ``"ok"``): ``"refused"`` and
-    ``"invalid"`` fail before anything is charged, ``"timeout"`` charges and then times out.
+    ``"invalid"`` fail before anything is charged (the latter says so: ``maybe_sent`` is
+    false on :class:`AmountRejected`), ``"timeout"`` charges and then times out.
     """
 
     behaviours: list[str] = field(default_factory=list)
@@ -103,7 +110,7 @@ class PaymentService:
         if behaviour == "refused":
             raise ConnectionRefusedError("payment gateway refused the connection")
         if behaviour == "invalid":
-            raise ValueError("amount rejected by client-side validation")
+            raise AmountRejected("amount rejected by client-side validation")
         receipt = self.receipts.setdefault(inv.key, f"receipt-{order}-{amount}")
         if behaviour == "timeout":
             raise TimeoutError("no response from the payment gateway within 5 s")
@@ -351,7 +358,7 @@ def test_precheck_that_raises_counts_as_unknown(cp: RecoveryCheckpointer) -> Non
 def test_failure_before_send_is_recorded_as_not_sent(
     cp: RecoveryCheckpointer, behaviour: str
 ) -> None:
-    """ConnectionRefusedError/ValueError: entry failed with maybe_sent False, error ToolMessage."""
+    """ConnectionRefusedError / an error with maybe_sent=False: entry failed, not sent."""
     service = PaymentService(behaviours=[behaviour])
     result = run(build(cp, charge_tool(service, precheck=service.find)), "t")
 
@@ -359,11 +366,14 @@ def test_failure_before_send_is_recorded_as_not_sent(
     assert failed.status is LedgerStatus.FAILED
     assert failed.error is not None
     assert failed.error["maybe_sent"] is False
-    expected = {"refused": "ConnectionRefusedError", "invalid": "ValueError"}[behaviour]
-    assert failed.error["type"] == f"builtins.{expected}"
+    expected = {
+        "refused": "builtins.ConnectionRefusedError",
+        "invalid": f"{__name__}.AmountRejected",
+    }[behaviour]
+    assert failed.error["type"] == expected
     (message,) = tool_messages(result)
     assert message.status == "error"
-    assert expected in str(message.content)
+    assert expected.rpartition(".")[2] in str(message.content)
     assert service.prechecks == []  # nothing can have happened: no need to ask
     assert service.receipts == {}
     assert [p["maybe_sent"] for p in payloads(cp, "t", EventKind.TOOL_FAILED)] == [False]

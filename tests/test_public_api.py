@@ -65,6 +65,7 @@ def test_public_classes_and_functions_are_exported() -> None:
             "encode_payload",
             "event_from_row",
             "spec_of",
+            "check_args",
             "FlowStage",
             "StepStatus",
             "merge_flow",

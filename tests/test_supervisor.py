@@ -332,14 +332,14 @@ def test_resume_that_keeps_failing_is_given_up_with_a_stuck_event(
     assert world.effects == Counter()
 
 
-def test_supervisor_needs_a_graph_with_leases(
+def test_supervisor_uses_the_checkpointers_leases_when_none_is_named(
     embedded: tuple[RecoveryCheckpointer, LeaseBackend],
 ) -> None:
-    """Without leases a running thread cannot be told from a dead one: configuration error."""
+    """No lease backend named: the thread leases live in the checkpointer's own file, and
+    the supervisor reads them there; a bad interval is still a configuration error."""
     cp, _ = embedded
     graph = _agent(cp, None, World())
-    with pytest.raises(tp.ConfigurationError, match="lease backend"):
-        Supervisor(graph)
+    assert Supervisor(graph).leases is cp.lease_backend()
     with pytest.raises(tp.ConfigurationError, match="interval"):
         supervise(_agent(cp, embedded[1], World()), interval=0)
 
@@ -548,11 +548,8 @@ def test_graph_references_name_a_graph_or_a_factory(sqlite_path: str) -> None:
     url = f"sqlite:///{sqlite_path}"
     with open_graph("test_supervisor:notes_with_leases", Settings(url, url)) as graph:
         assert Supervisor(graph).check() == []
-    with (
-        open_graph("test_supervisor:notes_without_leases", Settings(url, url)) as graph,
-        pytest.raises(tp.ConfigurationError, match="lease backend"),
-    ):
-        Supervisor(graph)
+    with open_graph("test_supervisor:notes_without_leases", Settings(url, url)) as graph:
+        assert Supervisor(graph).check() == []  # its leases: the database's own
     for ref, message in [
         ("no_colon", "looks like"),
         ("no_such_module_here:graph", "cannot import"),

@@ -45,7 +45,7 @@ from taskpilots_graph.compression import (
 )
 from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
 from taskpilots_graph.events import Event, EventKind, mark_superseded
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 from taskpilots_graph.locks.base import THREAD_LEASE_PREFIX, LeaseBackend
 from taskpilots_graph.locks.hold import current_thread_hold
 
@@ -88,12 +88,34 @@ class RecoveryAPI(DelegatingSaver):
         self._deferred()  # created now, so that the view shares them
         self._deferred_lock()
         self._inputs_by_hold()
+        self._effects_by_hold()
         view = copy.copy(self)
         view.held = HeldCheckpoints(density)
         return view
 
     async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def lease_backend(self) -> LeaseBackend:
+        """The lease backend living in this checkpointer's own database.
+
+        Thread leases and business locks use it when no backend is named, so a graph run
+        with nothing configured is still guarded: the SQLite file, the PostgreSQL database,
+        or (in memory) one backend shared by every view of this checkpointer. See
+        :mod:`taskpilots_graph.locks.default`.
+        """
+        # Imported here: the locks package imports the stores (the other direction).
+        from taskpilots_graph.locks.default import default_lease_backend
+
+        return default_lease_backend(getattr(self, "store", None))
+
+    async def alease_backend(self) -> LeaseBackend:
+        """Async form of :meth:`lease_backend`."""
+        from taskpilots_graph.locks.default import adefault_lease_backend
+
+        return await adefault_lease_backend(getattr(self, "store", None))
 
     # -- event log ---------------------------------------------------------------------------
 
@@ -172,6 +194,75 @@ class RecoveryAPI(DelegatingSaver):
         """Async form of :meth:`ledger_entry`."""
         return cast(LedgerEntry | None, await self._acall("ledger_get", key))
 
+    def committed_effect(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        """The thread's earliest committed effect of ``tool`` with these canonical
+        arguments, and its step (the repeat guard's question).
+
+        Under the thread's lease the thread's committed (tool, arguments) pairs are read
+        once per lease tenure, then kept up to date by this checkpointer's own ledger
+        writes: a fresh side effect costs no read, only a pair seen committed is looked up.
+        Without the lease it is one indexed read.
+        """
+        if self._effects_unknown(thread_id):
+            found = self._call("ledger_committed_digests", thread_id)
+            self._remember_effects(thread_id, found)
+        if not self._may_be_committed(thread_id, tool, args_digest):
+            return None
+        return cast(
+            CommittedEffect | None, self._call("ledger_repeat", thread_id, tool, args_digest)
+        )
+
+    async def acommitted_effect(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        """Async form of :meth:`committed_effect`."""
+        if self._effects_unknown(thread_id):
+            found = await self._acall("ledger_committed_digests", thread_id)
+            self._remember_effects(thread_id, found)
+        if not self._may_be_committed(thread_id, tool, args_digest):
+            return None
+        return cast(
+            CommittedEffect | None,
+            await self._acall("ledger_repeat", thread_id, tool, args_digest),
+        )
+
+    # The committed (tool, arguments digest) pairs of the thread whose lease is held, per
+    # lease tenure (as the decision inputs below): nobody else commits effects of a thread
+    # while its lease is held, so one read replaces a read per side effect. Weakly keyed by
+    # the hold: a new tenure reads again.
+
+    def _effects_by_hold(self) -> weakref.WeakKeyDictionary[object, set[tuple[str, str]]]:
+        memo: weakref.WeakKeyDictionary[object, set[tuple[str, str]]] | None = self.__dict__.get(
+            "_committed_effects"
+        )
+        if memo is None:
+            memo = self.__dict__.setdefault("_committed_effects", weakref.WeakKeyDictionary())
+        return memo
+
+    def _effects_unknown(self, thread_id: str) -> bool:
+        tenure = self._tenure(thread_id)
+        return tenure is not None and tenure not in self._effects_by_hold()
+
+    def _remember_effects(self, thread_id: str, pairs: Iterable[Sequence[str]]) -> None:
+        tenure = self._tenure(thread_id)
+        if tenure is not None:
+            known = self._effects_by_hold().setdefault(tenure, set())
+            known.update((tool, digest) for tool, digest in pairs)
+
+    def _may_be_committed(self, thread_id: str, tool: str, args_digest: str) -> bool:
+        tenure = self._tenure(thread_id)
+        known = None if tenure is None else self._effects_by_hold().get(tenure)
+        return known is None or (tool, args_digest) in known
+
+    def _note_effect(self, entry: LedgerEntry) -> None:
+        if entry.status is LedgerStatus.COMMITTED:
+            tenure = self._tenure(entry.thread_id)
+            known = None if tenure is None else self._effects_by_hold().get(tenure)
+            if known is not None:
+                known.add((entry.tool, entry.args_digest))
+
     def write_ledger(
         self,
         entry: LedgerEntry,
@@ -192,10 +283,14 @@ class RecoveryAPI(DelegatingSaver):
         """
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
-            return cast(list[Event], self._call("ledger_write", entry, expect=expect, events=batch))
+            written = cast(
+                list[Event], self._call("ledger_write", entry, expect=expect, events=batch)
+            )
         except BaseException:
             self._restore_deferred(batch[: len(batch) - len(events)])
             raise
+        self._note_effect(entry)
+        return written
 
     async def awrite_ledger(
         self,
@@ -207,12 +302,14 @@ class RecoveryAPI(DelegatingSaver):
         """Async form of :meth:`write_ledger`."""
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
-            return cast(
+            written = cast(
                 list[Event], await self._acall("ledger_write", entry, expect=expect, events=batch)
             )
         except BaseException:
             self._restore_deferred(batch[: len(batch) - len(events)])
             raise
+        self._note_effect(entry)
+        return written
 
     def append_records(
         self, records: Sequence[EventRecord], *, flush: str | None = None

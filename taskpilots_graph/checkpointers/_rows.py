@@ -10,7 +10,7 @@ from typing import Any
 
 from taskpilots_graph.checkpointers._schema import LEDGER, LEDGER_FIELDS, Dialect
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -20,6 +20,8 @@ __all__ = [
     "entry_params",
     "ledger_list_sql",
     "ledger_write_sql",
+    "repeat_params",
+    "row_to_committed",
     "row_to_entry",
 ]
 
@@ -103,6 +105,18 @@ def row_to_entry(row: Sequence[Any]) -> LedgerEntry:
         created_at=_ts(data["created_at"], key),
         updated_at=_ts(data["updated_at"], key),
     )
+
+
+def row_to_committed(row: Sequence[Any]) -> CommittedEffect:
+    """Rebuild the repeat guard's find from a ``LEDGER["repeat"]`` row (the entry's
+    columns, then its position in the thread)."""
+    *columns, step = row
+    return CommittedEffect(row_to_entry(columns), int(step))
+
+
+def repeat_params(thread_id: str, tool: str, args_digest: str) -> dict[str, Any]:
+    """Parameters of the repeat guard's lookup (``LEDGER["repeat"]``)."""
+    return {"thread_id": thread_id, "tool": tool, "args_digest": args_digest}
 
 
 def _load(raw: Any, key: str, column: str, *, mapping: bool = False) -> Any:

@@ -108,6 +108,14 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             last INTEGER NOT NULL
         );
         """,
+        # 5: the repeat guard looks up a thread's effects by (tool, canonical arguments).
+        # The new index replaces the thread index (its first column serves the same
+        # lookups), so an intent still maintains one secondary index.
+        """
+        CREATE INDEX IF NOT EXISTS taskpilots_ledger_thread_effect
+            ON taskpilots_ledger (thread_id, tool, args_digest);
+        DROP INDEX IF EXISTS taskpilots_ledger_thread;
+        """,
     ),
     "postgres": (
         """
@@ -180,6 +188,12 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             fencing BIGINT NOT NULL,
             expires_at TIMESTAMPTZ NOT NULL
         );
+        """,
+        # 5: the repeat guard's lookup (see the SQLite twin).
+        """
+        CREATE INDEX IF NOT EXISTS taskpilots_ledger_thread_effect
+            ON taskpilots_ledger (thread_id, tool, args_digest);
+        DROP INDEX IF EXISTS taskpilots_ledger_thread;
         """,
     ),
 }
@@ -303,6 +317,19 @@ def _ledger_sql(dialect: Dialect) -> dict[str, str]:
         "by_thread": f"SELECT {_LEDGER_COLUMNS} FROM taskpilots_ledger "
         f"WHERE thread_id = {p('thread_id')} ORDER BY created_at, key",
         "all": f"SELECT {_LEDGER_COLUMNS} FROM taskpilots_ledger ORDER BY created_at, key",
+        # The repeat guard: the thread's earliest committed effect of one tool with the same
+        # canonical arguments, and its position among the thread's effects ("step N"). The
+        # position is counted only on a hit, which is rare.
+        "repeat": f"SELECT {_LEDGER_COLUMNS}, (SELECT count(*) FROM taskpilots_ledger o "
+        "WHERE o.thread_id = l.thread_id AND (o.created_at < l.created_at "
+        "OR (o.created_at = l.created_at AND o.key <= l.key))) "
+        f"FROM taskpilots_ledger l WHERE l.thread_id = {p('thread_id')} "
+        f"AND l.tool = {p('tool')} AND l.args_digest = {p('args_digest')} "
+        "AND l.status = 'committed' ORDER BY l.created_at, l.key LIMIT 1",
+        # What the repeat guard learns once per lease tenure: the thread's committed
+        # (tool, arguments digest) pairs; a fresh call then needs no lookup at all.
+        "committed_digests": "SELECT DISTINCT tool, args_digest FROM taskpilots_ledger "
+        f"WHERE thread_id = {p('thread_id')} AND status = 'committed'",
         "decision_get": "SELECT message FROM taskpilots_decisions WHERE "
         f"thread_id = {p('thread_id')} AND checkpoint_ns = {p('checkpoint_ns')} "
         f"AND input_digest = {p('input_digest')}",

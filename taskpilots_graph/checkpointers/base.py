@@ -24,7 +24,7 @@ from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import ConfigurationError, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
@@ -278,6 +278,14 @@ class RecoveryStore(Protocol):
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         """Entries of one thread, or of all threads, oldest first."""
 
+    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
+        """The thread's earliest committed entry of ``tool`` with these canonical arguments,
+        and its position among the thread's entries (oldest first, from 1); one indexed
+        read."""
+
+    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        """The (tool, arguments digest) pairs of the thread's committed entries."""
+
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         """A model decision recorded for exactly this input, if any."""
 
@@ -336,6 +344,14 @@ class AsyncRecoveryStore(Protocol):
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         """Entries of one thread, or of all threads, oldest first."""
+
+    async def ledger_repeat(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        """Async twin of :meth:`RecoveryStore.ledger_repeat`."""
+
+    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        """Async twin of :meth:`RecoveryStore.ledger_committed_digests`."""
 
     async def decision_get(
         self, thread_id: str, checkpoint_ns: str, input_digest: str

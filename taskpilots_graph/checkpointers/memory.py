@@ -16,7 +16,7 @@ from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -90,6 +90,26 @@ class MemoryStore:
         with self._lock:
             entries = [e for e in self._ledger.values() if thread_id in (None, e.thread_id)]
         return sorted(entries, key=lambda e: (e.created_at, e.key))
+
+    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
+        entries = self.ledger(thread_id)
+        for step, entry in enumerate(entries, start=1):
+            if (entry.tool, entry.args_digest, entry.status) == (
+                tool,
+                args_digest,
+                LedgerStatus.COMMITTED,
+            ):
+                return CommittedEffect(entry, step)
+        return None
+
+    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        return sorted(
+            {
+                (e.tool, e.args_digest)
+                for e in self.ledger(thread_id)
+                if e.status is LedgerStatus.COMMITTED
+            }
+        )
 
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         with self._lock:
@@ -178,6 +198,14 @@ class AsyncMemoryStore:
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         return self.sync.ledger(thread_id)
+
+    async def ledger_repeat(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        return self.sync.ledger_repeat(thread_id, tool, args_digest)
+
+    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        return self.sync.ledger_committed_digests(thread_id)
 
     async def decision_get(
         self, thread_id: str, checkpoint_ns: str, input_digest: str

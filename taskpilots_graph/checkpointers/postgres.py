@@ -27,6 +27,8 @@ from taskpilots_graph.checkpointers._rows import (
     decision_params,
     ledger_list_sql,
     ledger_write_sql,
+    repeat_params,
+    row_to_committed,
     row_to_entry,
 )
 from taskpilots_graph.checkpointers.artifacts import (
@@ -48,7 +50,7 @@ from taskpilots_graph.errors import (
     StorageError,
 )
 from taskpilots_graph.events import Event
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
@@ -315,6 +317,17 @@ class PostgresStore:
             rows = cur.execute(statement, params).fetchall()
         return [row_to_entry(row) for row in rows]
 
+    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
+        params = repeat_params(thread_id, tool, args_digest)
+        with self._transaction(write=False) as cur:
+            row = cur.execute(_LEDGER["repeat"], params).fetchone()
+        return None if row is None else row_to_committed(row)
+
+    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        with self._transaction(write=False) as cur:
+            rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id}).fetchall()
+        return [(str(tool), str(digest)) for tool, digest in rows]
+
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         params = decision_params(thread_id, checkpoint_ns, input_digest)
         with self._transaction(write=False) as cur:
@@ -481,6 +494,20 @@ class AsyncPostgresStore:
             await cur.execute(statement, params)
             rows = await cur.fetchall()
         return [row_to_entry(row) for row in rows]
+
+    async def ledger_repeat(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        params = repeat_params(thread_id, tool, args_digest)
+        async with self._transaction(write=False) as cur:
+            await cur.execute(_LEDGER["repeat"], params)
+            row = await cur.fetchone()
+        return None if row is None else row_to_committed(row)
+
+    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        async with self._transaction(write=False) as cur:
+            await cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
+            return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
 
     async def decision_get(
         self, thread_id: str, checkpoint_ns: str, input_digest: str

@@ -21,6 +21,8 @@ from taskpilots_graph.checkpointers._rows import (
     decision_params,
     ledger_list_sql,
     ledger_write_sql,
+    repeat_params,
+    row_to_committed,
     row_to_entry,
 )
 from taskpilots_graph.checkpointers.artifacts import (
@@ -37,7 +39,7 @@ from taskpilots_graph.checkpointers.base import (
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import LedgerConflict, MigrationError
 from taskpilots_graph.events import Event
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncSqliteStore", "SqliteStore"]
 
@@ -199,6 +201,17 @@ class SqliteStore:
             rows = cur.execute(statement, params).fetchall()
         return [row_to_entry(row) for row in rows]
 
+    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
+        params = repeat_params(thread_id, tool, args_digest)
+        with self._cursor() as cur:
+            row = cur.execute(_LEDGER["repeat"], params).fetchone()
+        return None if row is None else row_to_committed(row)
+
+    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        with self._cursor() as cur:
+            rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
+            return [(str(tool), str(digest)) for tool, digest in rows]
+
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         with self._cursor() as cur:
             row = cur.execute(
@@ -339,6 +352,22 @@ class AsyncSqliteStore:
         async with self._transaction() as conn, conn.execute(statement, params) as cur:
             rows = await cur.fetchall()
         return [row_to_entry(row) for row in rows]
+
+    async def ledger_repeat(
+        self, thread_id: str, tool: str, args_digest: str
+    ) -> CommittedEffect | None:
+        params = repeat_params(thread_id, tool, args_digest)
+        async with self._transaction() as conn, conn.execute(_LEDGER["repeat"], params) as cur:
+            row = await cur.fetchone()
+        return None if row is None else row_to_committed(row)
+
+    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
+        params = {"thread_id": thread_id}
+        async with (
+            self._transaction() as conn,
+            conn.execute(_LEDGER["committed_digests"], params) as cur,
+        ):
+            return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
 
     async def decision_get(
         self, thread_id: str, checkpoint_ns: str, input_digest: str

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["parse_since", "register"]
 
 STATUSES = ("running", "waiting_tool", "awaiting_human", "closed", "failed")
-THREAD_COLUMNS = ["thread_id", "status", "step", "last_event", "events", "effects"]
+THREAD_COLUMNS = ["thread_id", "status", "step", "last_event", "events", "effects", "unsettled"]
 NO_WRAP = frozenset({"thread_id", "status", "seq", "kind", "metric", "key"})
 PAYLOAD_CHARS = 60  # a timeline row stays on one line in a 120-column terminal
 
@@ -104,7 +104,18 @@ def threads(
         for row in rows:
             step = row.get("current_step")
             row["step"] = f"{step.get('tool')} ({step.get('status')})" if step else None
+            row["unsettled"] = _unsettled(row)
         stdout().print(_table(f"{len(rows)} thread(s)", rows, THREAD_COLUMNS))
+
+
+def _unsettled(row: dict[str, Any]) -> str | None:
+    """Effects not settled yet (nothing hidden behind a status): "1 intended, 2 uncertain"."""
+    parts = [
+        f"{row[name]} {label}"
+        for name, label in (("intended_effects", "intended"), ("uncertain_effects", "uncertain"))
+        if row.get(name)
+    ]
+    return ", ".join(parts) or None
 
 
 def _event_row(event: Any) -> dict[str, Any]:

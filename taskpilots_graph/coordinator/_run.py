@@ -32,7 +32,7 @@ from typing import Any, Final
 from langgraph.pregel import Pregel
 
 from taskpilots_graph import _clock, runner
-from taskpilots_graph.agent import find_executor
+from taskpilots_graph.agent import find_executor, lease_source
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import prepare_event
 from taskpilots_graph.coordinator._plan import (
@@ -197,7 +197,7 @@ class Coordinator:
 
         Raises:
             ConfigurationError: For an empty ``parent`` or inputs missing a sub-agent.
-            ThreadBusy: Another coordinator holds ``parent`` (with a lease backend).
+            ThreadBusy: Another coordinator holds ``parent``.
         """
         self._check(parent, inputs)
         with self._parent_lease(parent):
@@ -576,6 +576,23 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:_MESSAGE_CHARS]
 
 
+def _subagents_leases(subagents: Mapping[str, Pregel[Any, Any]]) -> LeaseBackend | None:
+    """The one lease backend every sub-agent's runs hold their thread leases in, if any.
+
+    With no backend named the sub-agents' leases live in their checkpointer's database: the
+    coordinator watches them there. Sub-agents with backends of their own that differ
+    leave it without one (it cannot see all of them in one place).
+    """
+    found: dict[int, LeaseBackend] = {}
+    for graph in subagents.values():
+        source = lease_source(graph)
+        if source is None:
+            return None
+        backend = source.backend()
+        found[id(backend)] = backend
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
 def create_coordinator(
     subagents: Mapping[str, Pregel[Any, Any]],
     *,
@@ -610,7 +627,7 @@ def create_coordinator(
       silent hang).
 
     Two sub-agents never perform one business operation twice when the tool declares a
-    business ``key=`` (global across threads) and a ``lock=`` (with ``leases``).
+    business ``key=`` (global across threads) and a ``lock=`` (always enforced).
     A rebuilt attempt is a new thread: its effects with default keys run again (that is
     the point after a compensation), effects with a business key are returned from the
     ledger.
@@ -619,7 +636,9 @@ def create_coordinator(
         subagents: The sub-agent graphs by name, compiled with ``checkpointer``.
         checkpointer: The recovery checkpointer of every sub-agent and of the parent log.
         leases: Lease backend (the sub-agents' own, ``create_recovery_agent(leases=)``);
-            needed to tell a live worker from a dead one and to see mutual waits.
+            needed to tell a live worker from a dead one and to see mutual waits. By
+            default the one the sub-agents hold their leases in (their checkpointer's own
+            database when none is named).
         depends_on: ``{name: [names it needs done first]}``.
         shares: ``{name: [business object ids it reads or writes]}``.
         name: The coordinator's name (in its events).
@@ -654,7 +673,7 @@ def create_coordinator(
     return Coordinator(
         subagents,
         checkpointer=checkpointer,
-        leases=leases,
+        leases=leases if leases is not None else _subagents_leases(subagents),
         plan=plan,
         name=name,
         max_attempts=max_attempts,

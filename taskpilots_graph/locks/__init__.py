@@ -14,6 +14,11 @@ beside the ledger), a SQLite file (embedded mode) and process memory. Each has s
 methods (:class:`LeaseBackend`); :func:`hold` / :func:`ahold` and :func:`business_lock` /
 :func:`abusiness_lock` wrap acquisition, heartbeat, ``check()`` and release.
 
+With no backend named, the recovery agent, ``RecoveryMiddleware`` and the runners use the
+one in the checkpointer's own database (:mod:`taskpilots_graph.locks.default`); Redis is the
+explicit scale-out choice. A holder whose process is gone on this very machine (SIGKILL)
+is taken over at once instead of after its TTL (:func:`~taskpilots_graph.locks.base.holder_died`).
+
 The Redis and PostgreSQL backends import their client library on first access, so neither is
 required unless used.
 """

@@ -18,6 +18,7 @@ drivers around it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import random
@@ -45,6 +46,7 @@ __all__ = [
     "current_lease",
     "extend",
     "grant",
+    "holder_died",
     "local_deadline",
     "new_owner",
     "poll_delay",
@@ -267,13 +269,61 @@ def business_lock_name(object_id: str, operation: str) -> str:
     return f"{BUSINESS_LOCK_PREFIX}{object_id}:{operation}"
 
 
+def _process_space() -> str:
+    """Eight hex digits naming this boot of this machine's process-id space, or ``""``.
+
+    Two hosts (or two containers) may share a host name while their process ids mean
+    different processes; the boot id and the pid namespace tell them apart. Where they
+    cannot be read (not Linux), no process is ever judged dead by its id.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot}/{namespace}".encode()).hexdigest()[:8]
+
+
+_HOST: Final = socket.gethostname()
+_SPACE: Final = _process_space()
+
+
 def new_owner() -> str:
     """A fresh owner token: ``host:pid:random``.
 
     Unique per acquisition, so a process never confuses its own old lease with a new one,
     and readable, so a ``ThreadBusy`` message says which machine and process hold the name.
+    The random part starts with the process-id space (see :func:`holder_died`).
     """
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+    prefix = f"{_SPACE}." if _SPACE else ""
+    return f"{_HOST}:{os.getpid()}:{prefix}{secrets.token_hex(8)}"
+
+
+def holder_died(owner: str) -> bool:
+    """Whether ``owner`` names a process of this machine (same boot, same pid namespace)
+    that no longer exists.
+
+    A holder killed with SIGKILL releases nothing: its lease would block the thread for the
+    rest of its TTL, though the process is known to be gone. Only a token of the very
+    process-id space we run in is judged, so an error can only be toward waiting: a live
+    process, or one that reused the id, keeps the lease.
+    """
+    parts = owner.rsplit(":", 2)
+    if not _SPACE or len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+        return False
+    if not parts[2].startswith(f"{_SPACE}."):
+        return False
+    pid = int(parts[1])
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists, owned by another user
+    return False
 
 
 def busy_error(name: str, current: Lease | None) -> ThreadBusy:

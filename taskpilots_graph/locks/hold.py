@@ -38,6 +38,7 @@ from taskpilots_graph.locks.base import (
     LeaseBackend,
     business_lock_name,
     busy_error,
+    holder_died,
     new_owner,
     poll_delay,
 )
@@ -65,6 +66,8 @@ class _Holding:
         self.interval = interval
         # Replaced whole by the heartbeat, read by the caller: see HoldStatus.
         self._status = status
+        self.released = False
+        """Set once the hold's block has exited: the lease was let go (or left to expire)."""
 
     @property
     def lease(self) -> Lease:
@@ -148,6 +151,7 @@ class Hold(_Holding):
             delay = self._status.next_beat(self.interval)
 
     def _finish(self) -> None:
+        self.released = True
         self._stop.set()
         self._thread.join()  # a renewal in flight ends before the release below
         try:
@@ -182,6 +186,7 @@ class AsyncHold(_Holding):
             delay = self._status.next_beat(self.interval)
 
     async def _finish(self) -> None:
+        self.released = True
         self._stop.set()
         if self._task is not None:
             await self._task  # not cancelled: a renewal in flight completes cleanly
@@ -207,6 +212,12 @@ def _wait_deadline(wait: bool, timeout: float | None) -> tuple[bool, float | Non
     return True, time.monotonic() + timeout
 
 
+def _took_over(name: str, dead: Lease) -> None:
+    # Released by compare-and-delete on (owner, fencing): only that very lease goes, and
+    # our acquisition still gets a greater fencing token than the dead holder's.
+    _log.warning("lease %r: its holder %r is gone (same machine), taking it over", name, dead.owner)
+
+
 def _acquire(
     backend: LeaseBackend, name: str, owner: str, ttl: float, wait: bool, timeout: float | None
 ) -> HoldStatus:
@@ -217,9 +228,13 @@ def _acquire(
         lease = backend.acquire(name, owner, ttl)
         if lease is not None:
             return HoldStatus.granted(lease, sent_at)
+        current = backend.holder(name)
+        if current is not None and holder_died(current.owner) and backend.release(current):
+            _took_over(name, current)
+            continue
         remaining = None if deadline is None else deadline - time.monotonic()
         if not waiting or (remaining is not None and remaining <= 0):
-            raise busy_error(name, backend.holder(name))
+            raise busy_error(name, current)
         time.sleep(poll_delay(attempt, remaining))
         attempt += 1
 
@@ -234,9 +249,13 @@ async def _aacquire(
         lease = await backend.aacquire(name, owner, ttl)
         if lease is not None:
             return HoldStatus.granted(lease, sent_at)
+        current = await backend.aholder(name)
+        if current is not None and holder_died(current.owner) and await backend.arelease(current):
+            _took_over(name, current)
+            continue
         remaining = None if deadline is None else deadline - time.monotonic()
         if not waiting or (remaining is not None and remaining <= 0):
-            raise busy_error(name, await backend.aholder(name))
+            raise busy_error(name, current)
         await asyncio.sleep(poll_delay(attempt, remaining))
         attempt += 1
 

@@ -8,6 +8,13 @@ between is the shared pure core (:func:`~taskpilots_graph.locks.base.grant` and 
 
 Times are the library clock's (all processes share one machine, hence one clock). The async
 methods run the sync ones in a worker thread: SQLite calls block.
+
+All holders share one machine, so a lease whose holder process is gone (killed with SIGKILL:
+nothing released it) is known to be dead before its TTL runs out
+(:func:`~taskpilots_graph.locks.base.holder_died`). Such a lease counts as expired here, in
+``holder()`` too, so a thread whose worker was killed can be resumed at once instead of after
+the TTL. A live process (or a process id reused by one) keeps its lease: the check can only
+err toward waiting.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from taskpilots_graph.locks.base import (
     current_lease,
     extend,
     grant,
+    holder_died,
     same_holder,
 )
 
@@ -119,6 +127,8 @@ class SqliteLeaseBackend(LeaseBackendBase):
         if row is None:
             return None
         owner, fencing, expires_at = row
+        if holder_died(str(owner)):
+            expires_at = min(float(expires_at), now)  # its process is gone: expired
         return Lease(name, owner, int(fencing), float(expires_at), float(expires_at) - now)
 
     @staticmethod

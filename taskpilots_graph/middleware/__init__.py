@@ -64,9 +64,16 @@ Composing with langchain's own middleware (the first in the list is the outermos
 * ``ModelRetryMiddleware`` / ``ModelFallbackMiddleware`` own model failures; this
   middleware only replays recorded decisions and never retries a model call.
 
-Not (yet) carried over from the recovery agent: thread leases and business locks
-(``lock=`` is recorded on the ledger, not enforced), stuck detection across tool calls,
-and the resume prompt of the think node.
+**Leases**: each model call and tool call holds the thread's lease (``thread:<thread_id>``),
+in the backend named with ``leases=`` or else in the checkpointer's own database, so a
+second runner of the thread gets :class:`~taskpilots_graph.ThreadBusy` while a step runs
+(``tp.run`` / ``tp.resume`` / ``tp.decide`` hold it for the whole run). ``lock=`` tools run
+under their business lock (fail closed), and an ``intended`` entry whose writer still holds
+its thread lease is waited for, never reconciled (:class:`~taskpilots_graph.EffectInProgress`
+when the wait runs out).
+
+Not (yet) carried over from the recovery agent: stuck detection across tool calls, and the
+resume prompt of the think node.
 """
 
 from __future__ import annotations

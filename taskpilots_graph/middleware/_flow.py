@@ -47,6 +47,7 @@ from taskpilots_graph.nodes._context import RunContext, dump_message, messages_d
 from taskpilots_graph.nodes._protocol import (
     CallContext,
     CallOutcome,
+    CheckArgs,
     RunPrecheck,
     RunTool,
     WriteEntry,
@@ -58,7 +59,7 @@ from taskpilots_graph.nodes.router import describe
 from taskpilots_graph.nodes.takeover import _ledger_move, _user, build_request
 from taskpilots_graph.recovery import Action, decide_recovery
 from taskpilots_graph.takeover import parse_decision
-from taskpilots_graph.tools import spec_of
+from taskpilots_graph.tools import check_args, spec_of
 
 __all__ = ["DECISIONS", "Answer", "Flow", "tool_flow"]
 
@@ -88,7 +89,8 @@ def _ledgered(
     """The ledger protocol with ``RunTool`` turned into :class:`CallTool`.
 
     The tool node's answer is kept in ``box`` (returned to the model on a fresh success)
-    while the protocol records the answer's content.
+    while the protocol records the answer's content. ``CheckArgs`` is answered here (no
+    I/O): the arguments are checked against the schema of the tool the node would run.
     """
     gen = run_call(ctx)
     value: Any = None
@@ -100,9 +102,20 @@ def _ledgered(
             outcome: CallOutcome = stop.value
             return outcome
         value, thrown = None, None
+        if isinstance(req, CheckArgs):
+            try:
+                if request.tool is not None:
+                    check_args(request.tool, req.args)
+            except Exception as exc:
+                thrown = exc
+            continue
         if isinstance(req, RunTool):
             try:
                 answer = yield CallTool(request, req.invocation)
+            except ErrorAnswer as exc:
+                # The arguments passed CheckArgs: the node's error answer comes from the body.
+                thrown = ErrorAnswer(exc.answer, maybe_sent=True) if ctx.spec is not None else exc
+                continue
             except Exception as exc:  # GraphBubbleUp included: the protocol lets it through
                 thrown = exc
                 continue

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from langchain.agents.middleware import AgentMiddleware
 from langchain.agents.middleware.types import ExtendedModelResponse, ModelRequest, ModelResponse
@@ -18,13 +21,16 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command, interrupt
 
 from taskpilots_graph import _clock
+from taskpilots_graph.agent import DEFAULT_LEASE_TTL
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.errors import ConfigurationError, LedgerConflict
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerEntry
+from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.middleware._compensate import acompensate, compensate
 from taskpilots_graph.middleware._flow import Flow, tool_flow
+from taskpilots_graph.middleware._leases import CallLocks, StepLeases
 from taskpilots_graph.middleware._owner import check_middleware, middleware_chain
 from taskpilots_graph.middleware._requests import (
     Ask,
@@ -38,11 +44,20 @@ from taskpilots_graph.middleware._requests import (
     Settings,
     Sleep,
 )
+from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
-from taskpilots_graph.nodes._protocol import SUMMARY_CHARS, ReadEntry, WriteEntry, WriteEvent
+from taskpilots_graph.nodes._protocol import (
+    SUMMARY_CHARS,
+    AwaitOwner,
+    FindRepeat,
+    ReadEntry,
+    WriteEntry,
+    WriteEvent,
+)
 from taskpilots_graph.nodes.executor import _aprecheck, _precheck
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.tools import reset_invocation, set_invocation
+from taskpilots_graph.unfinished import valid_conversation
 
 __all__ = ["RecoveryMiddleware"]
 
@@ -89,6 +104,10 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         policies: Recovery policies by tool name; others use ``default_policy``.
         default_policy: The policy of tools without one (default ``ToolPolicy()``).
         rng: Source of backoff jitter (tests pass a seeded one).
+        leases: Lease backend for the thread lease and ``lock=`` business locks; the
+            checkpointer's own database when omitted (Redis for scale-out).
+        lease_ttl: TTL in seconds of those leases (renewed every third of it); also the
+            longest a call waits for a business lock or for another runner's live intent.
 
     Raises:
         ConfigurationError: For a checkpointer that is not a recovery checkpointer or a
@@ -103,6 +122,8 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         policies: Mapping[str, ToolPolicy] | None = None,
         default_policy: ToolPolicy | None = None,
         rng: random.Random | None = None,
+        leases: LeaseBackend | None = None,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
     ) -> None:
         super().__init__()
         if not isinstance(checkpointer, RecoveryAPI):
@@ -121,6 +142,22 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         self._settings = Settings(self.policies, self.default_policy, rng or random.Random())
         self._checked: set[tuple[bool, str]] = set()
         self._recorded: set[tuple[str, str]] = set()
+        if not isinstance(lease_ttl, int | float) or not math.isfinite(lease_ttl) or lease_ttl <= 0:
+            raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
+        self.leases = leases
+        self.lease_ttl = float(lease_ttl)
+        self._steps = StepLeases(self.lease_backend, self.alease_backend, self.lease_ttl)
+
+    def lease_backend(self) -> LeaseBackend:
+        """Where thread leases and business locks live: the backend named with ``leases=``,
+        else the checkpointer's own database."""
+        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
+
+    async def alease_backend(self) -> LeaseBackend:
+        """Async form of :meth:`lease_backend`."""
+        if self.leases is not None:
+            return self.leases
+        return await self.checkpointer.alease_backend()
 
     @property
     def tools(self) -> list[BaseTool]:  # type: ignore[override]
@@ -242,18 +279,26 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         pending: list[EventRecord] = []
         value: Any = None
         thrown: BaseException | None = None
+        locks = CallLocks(ctx.thread_id, self.lease_ttl)
         try:
-            while True:
-                try:
-                    req = flow.throw(thrown) if thrown is not None else flow.send(value)
-                except StopIteration as stop:
-                    result = stop.value
-                    break
-                value, thrown = None, None
-                try:
-                    value = self._do(req, handler, pending)
-                except Exception as exc:  # handed to the flow, which lets control flow through
-                    thrown = exc
+            with self._steps.step(ctx.thread_id, ctx.checkpoint_id), contextlib.ExitStack() as held:
+                while True:
+                    try:
+                        req = flow.throw(thrown) if thrown is not None else flow.send(value)
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    value, thrown = None, None
+                    try:
+                        if isinstance(req, WriteEntry):
+                            req = replace(
+                                req, entry=locks.before_write(req.entry, self.lease_backend, held)
+                            )
+                        elif isinstance(req, CallTool):
+                            req = replace(req, invocation=locks.before_call(req.invocation))
+                        value = self._do(req, handler, pending)
+                    except Exception as exc:  # handed to the flow, which lets control flow through
+                        thrown = exc
         except BaseException:
             self.checkpointer.append_records(pending, flush=ctx.thread_id)
             raise
@@ -273,8 +318,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
                 raise ErrorAnswer(answer)
             return answer
+        if isinstance(req, FindRepeat):
+            return cp.committed_effect(req.thread_id, req.tool, req.args_digest)
         if isinstance(req, ReadEntry):
             return cp.ledger_entry(req.key)
+        if isinstance(req, AwaitOwner):
+            return await_owner(
+                req, backend=self.lease_backend(), read=cp.ledger_entry, timeout=self.lease_ttl
+            )
         if isinstance(req, WriteEntry):
             return self._write(req, pending)
         if isinstance(req, WriteEvent):
@@ -312,10 +363,24 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
     def wrap_model_call(
         self, request: ModelRequest[Any], handler: Callable[[ModelRequest[Any]], Any]
     ) -> Any:
-        """Replay a recorded model decision after a crash; make tool events durable."""
+        """Replay a recorded model decision after a crash; make tool events durable.
+
+        The provider never gets a tool call without its answer (new input on a thread that
+        stopped mid-call would otherwise be rejected): see :func:`_answered`.
+        """
+        request = _answered(request)
         ctx = self._model_context()
         if ctx is None:
             return handler(request)
+        with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
+            return self._model_call(ctx, request, handler)
+
+    def _model_call(
+        self,
+        ctx: RunContext,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], Any],
+    ) -> Any:
         cp = self.checkpointer
         cp.append_records([], flush=ctx.thread_id)
         if ctx.durability != "sync":
@@ -346,18 +411,28 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         pending: list[EventRecord] = []
         value: Any = None
         thrown: BaseException | None = None
+        locks = CallLocks(ctx.thread_id, self.lease_ttl)
         try:
-            while True:
-                try:
-                    req = flow.throw(thrown) if thrown is not None else flow.send(value)
-                except StopIteration as stop:
-                    result = stop.value
-                    break
-                value, thrown = None, None
-                try:
-                    value = await self._ado(req, handler, pending)
-                except Exception as exc:
-                    thrown = exc
+            async with (
+                self._steps.astep(ctx.thread_id, ctx.checkpoint_id),
+                contextlib.AsyncExitStack() as held,
+            ):
+                while True:
+                    try:
+                        req = flow.throw(thrown) if thrown is not None else flow.send(value)
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    value, thrown = None, None
+                    try:
+                        if isinstance(req, WriteEntry):
+                            entry = await locks.abefore_write(req.entry, self.alease_backend, held)
+                            req = replace(req, entry=entry)
+                        elif isinstance(req, CallTool):
+                            req = replace(req, invocation=locks.before_call(req.invocation))
+                        value = await self._ado(req, handler, pending)
+                    except Exception as exc:
+                        thrown = exc
         except BaseException:
             await self.checkpointer.aappend_records(pending, flush=ctx.thread_id)
             raise
@@ -375,8 +450,15 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
                 raise ErrorAnswer(answer)
             return answer
+        if isinstance(req, FindRepeat):
+            return await cp.acommitted_effect(req.thread_id, req.tool, req.args_digest)
         if isinstance(req, ReadEntry):
             return await cp.aledger_entry(req.key)
+        if isinstance(req, AwaitOwner):
+            backend = await self.alease_backend()
+            return await aawait_owner(
+                req, backend=backend, read=cp.aledger_entry, timeout=self.lease_ttl
+            )
         if isinstance(req, WriteEntry):
             return await self._awrite(req, pending)
         if isinstance(req, CheckEffect):
@@ -409,9 +491,19 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
     ) -> Any:
         """Async form of :meth:`wrap_model_call`."""
+        request = _answered(request)
         ctx = self._model_context()
         if ctx is None:
             return await handler(request)
+        async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
+            return await self._amodel_call(ctx, request, handler)
+
+    async def _amodel_call(
+        self,
+        ctx: RunContext,
+        request: ModelRequest[Any],
+        handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
+    ) -> Any:
         cp = self.checkpointer
         await cp.aappend_records([], flush=ctx.thread_id)
         if ctx.durability != "sync":
@@ -432,6 +524,18 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         if ctx is not None:
             await self.checkpointer.aappend_records([], flush=ctx.thread_id)
         return None
+
+
+def _answered(request: ModelRequest[Any]) -> ModelRequest[Any]:
+    """The model request with every tool call answered before the next message.
+
+    Only what the provider is sent changes; the state (and the digest of recorded
+    decisions, taken from the state) stays as it is.
+    """
+    fixed = valid_conversation(request.messages)
+    if fixed == request.messages:
+        return request
+    return request.override(messages=cast(Any, fixed))  # AnyMessage: the same messages
 
 
 def _no_handler(request: ToolCallRequest) -> ToolMessage:  # pragma: no cover - never called

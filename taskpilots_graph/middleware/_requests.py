@@ -39,15 +39,19 @@ class ErrorAnswer(Exception):
     """The tool node answered the call with an error message instead of raising.
 
     LangGraph's ``ToolNode`` does so for arguments that do not validate: the tool did not
-    run, so nothing was sent; the model can correct the call.
+    run, so nothing was sent; the model can correct the call. It does so as well for a
+    pydantic ``ValidationError`` raised *inside* the tool's body (a reply that failed to
+    parse): for a side effect, whose arguments the flow checked before, the answer is
+    therefore built with ``maybe_sent=True``.
     """
 
     maybe_sent = False
     failure_kind = FailureKind.CONTRACT
 
-    def __init__(self, answer: ToolMessage) -> None:
+    def __init__(self, answer: ToolMessage, *, maybe_sent: bool = False) -> None:
         super().__init__(str(answer.content))
         self.answer = answer
+        self.maybe_sent = maybe_sent
 
 
 @dataclass(frozen=True, slots=True)

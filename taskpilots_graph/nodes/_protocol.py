@@ -8,15 +8,15 @@ lets tests drive the protocol step by step.
 
 from __future__ import annotations
 
+import json
 import platform
 import socket
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from langgraph.errors import GraphBubbleUp
-from pydantic import ValidationError
 
 from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
@@ -26,11 +26,17 @@ from taskpilots_graph.drift import (
     detect_drift,
     result_digest,
 )
-from taskpilots_graph.errors import ConfigurationError, LedgerConflict, ResultDrifted
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    EffectInProgress,
+    LedgerConflict,
+    ResultDrifted,
+)
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
 from taskpilots_graph.ledger import (
     PAUSED,
+    CommittedEffect,
     Done,
     LedgerEntry,
     LedgerStatus,
@@ -47,16 +53,22 @@ from taskpilots_graph.ledger import (
 from taskpilots_graph.tools import Invocation
 
 __all__ = [
+    "AwaitOwner",
+    "Awaited",
     "CallContext",
     "CallOutcome",
+    "CheckArgs",
+    "FindRepeat",
     "Protocol",
     "ReadEntry",
     "RunPrecheck",
     "RunTool",
     "WriteEntry",
     "WriteEvent",
+    "in_flight",
     "lock_refused",
     "may_have_reached_service",
+    "repeat_note",
     "run_call",
 ]
 
@@ -83,28 +95,27 @@ ENVIRONMENT: dict[str, str] = {
 }
 """Recorded with every failure: where it happened."""
 
-# Errors raised before a request can have left the process: retrying them is safe.
-_NOT_SENT: tuple[type[BaseException], ...] = (
-    ConnectionRefusedError,
-    socket.gaierror,
-    ValueError,
-    TypeError,
-    KeyError,
-    ValidationError,
-)
+# Raised before any connection existed: the request cannot have left the process. Nothing
+# else is assumed: a ValueError, KeyError, TypeError or ValidationError may as well come
+# from parsing the reply of a service that already acted.
+_BEFORE_CONNECTING: tuple[type[BaseException], ...] = (ConnectionRefusedError, socket.gaierror)
 
 
-def may_have_reached_service(exc: BaseException) -> bool:
-    """Whether a failed call may have performed its effect anyway.
+def may_have_reached_service(
+    exc: BaseException, not_sent: tuple[type[BaseException], ...] = ()
+) -> bool:
+    """Whether a call that raised ``exc`` from its body may have performed its effect.
 
-    Conservative: anything not known to fail before sending counts as possibly sent (a
-    timeout after the request left is the classic case). An exception may decide for itself
-    with a boolean ``maybe_sent`` attribute.
+    Conservative: possibly sent unless the exception says otherwise with a boolean
+    ``maybe_sent`` attribute, its type is one the tool declared ``not_sent``
+    (``side_effect(not_sent=...)``), or it is a connection error raised before a
+    connection existed. Arguments rejected by the tool's schema never get here: the
+    protocol checks them before the intent (:class:`CheckArgs`).
     """
     declared = getattr(exc, "maybe_sent", None)
     if isinstance(declared, bool):
         return declared
-    return not isinstance(exc, _NOT_SENT)
+    return not isinstance(exc, (*_BEFORE_CONNECTING, *not_sent))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +149,31 @@ class CallOutcome:
     error: BaseException | None = None
     failure: Failure | None = None
     replayed: bool = False
+    repeat_of: str | None = None  # the key of the committed effect a caught repeat returned
+
+
+@dataclass(frozen=True, slots=True)
+class CheckArgs:
+    """Validate the arguments against the tool's schema (``tools.check_args``).
+
+    Answered with ``None``, or with the schema's error thrown in: the body never ran, so
+    the call fails as "not sent" without a ledger entry.
+    """
+
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class FindRepeat:
+    """The thread's earliest committed effect of ``tool`` with these canonical arguments.
+
+    Answered with a :class:`~taskpilots_graph.ledger.CommittedEffect` or ``None``
+    (``RecoveryAPI.committed_effect``).
+    """
+
+    thread_id: str
+    tool: str
+    args_digest: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +208,47 @@ class RunTool:
     invocation: Invocation
 
 
-Request = ReadEntry | WriteEntry | WriteEvent | RunPrecheck | RunTool
+@dataclass(frozen=True, slots=True)
+class AwaitOwner:
+    """Wait while the runner that wrote this ``intended`` entry may still be performing it.
+
+    The driver checks the entry's thread lease (``thread:<entry.thread_id>``): held by
+    another runner than the current one, the effect is in progress elsewhere, so it
+    re-reads the entry until it leaves ``intended`` or the lease is gone, at most for its
+    timeout. It answers :class:`Awaited`.
+    """
+
+    entry: LedgerEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Awaited:
+    """What waiting for an intent's owner found.
+
+    Attributes:
+        entry: The entry as last read (``None`` if it was deleted meanwhile).
+        holder: The owner's lease holder that was waited for; ``None`` when nobody else
+            held the lease (an orphan intent, or the current runner's own).
+        waited: Seconds spent waiting.
+        timed_out: The owner still held its lease and the entry was still ``intended``.
+    """
+
+    entry: LedgerEntry | None
+    holder: str | None = None
+    waited: float = 0.0
+    timed_out: bool = False
+
+
+Request = (
+    CheckArgs
+    | FindRepeat
+    | ReadEntry
+    | AwaitOwner
+    | WriteEntry
+    | WriteEvent
+    | RunPrecheck
+    | RunTool
+)
 Protocol = Generator[Request, Any, CallOutcome]
 
 
@@ -249,12 +325,26 @@ def run_call(ctx: CallContext) -> Protocol:
     """The protocol for one call; see :mod:`taskpilots_graph.ledger` for the rules."""
     if ctx.spec is None:
         return (yield from _pure_call(ctx))
+    rejected = yield from _check_args(ctx)
+    if rejected is not None:
+        return rejected
+    if not ctx.spec.repeatable:
+        # A model that lost sight of a result re-plans the effect under a new tool-call id,
+        # hence a new key: only the thread's committed effects can tell it was done.
+        earlier: CommittedEffect | None = yield FindRepeat(
+            ctx.thread_id, ctx.tool, args_digest(ctx.args)
+        )
+        if earlier is not None:
+            return (yield from _repeat(ctx, earlier))
     # Most calls are new: write the intent straight away; only when an entry already holds
     # the key is it read and reconciled. Saves a read on every fresh side effect.
     fresh = yield from _execute(ctx, None)
     if fresh is not _EXISTS:
         return fresh
     entry: LedgerEntry | None = yield ReadEntry(ctx.key)
+    if in_flight(entry):
+        # A live intent is never reconciled: its owner may be performing it right now.
+        entry = yield from _await_owner(ctx, entry)
     step = next_step(entry)
     if step is Step.RETURN_RECORDED:
         assert entry is not None
@@ -269,6 +359,101 @@ def run_call(ctx: CallContext) -> Protocol:
         if settled is not None:
             return settled
     return (yield from _execute(ctx, entry))
+
+
+def _check_args(ctx: CallContext) -> Generator[Request, Any, CallOutcome | None]:
+    """Fail the call as "not sent" if the tool's schema rejects its arguments.
+
+    Checked before the intent, so that an error raised later, while the tool runs, is
+    known to come from its body, where it may follow the effect.
+    """
+    try:
+        yield CheckArgs(dict(ctx.args))
+    except GraphBubbleUp:
+        raise
+    except Exception as exc:
+        failure = classify(exc, ctx.rules)
+        yield WriteEvent(_failed_event(ctx, failure, False, ctx.attempt))
+        return CallOutcome(error=exc, failure=failure)
+    return None
+
+
+def repeat_note(earlier: CommittedEffect) -> str:
+    """What the model reads instead of a second execution of a committed effect."""
+    entry = earlier.entry
+    result = entry.result
+    # As the tool's own answer would read (``executor.tool_content``).
+    text = (
+        result if isinstance(result, str) else json.dumps(result, default=str, ensure_ascii=False)
+    )
+    call = f" (tool call {entry.tool_call_id})" if entry.tool_call_id else ""
+    return (
+        f"already done at step {earlier.step}: {text}\n"
+        f"[{entry.tool} with these arguments was already performed in this thread{call}; "
+        "it was not performed again. This is its recorded result.]"
+    )
+
+
+def _repeat(ctx: CallContext, earlier: CommittedEffect) -> Protocol:
+    """A side effect asked for again after it was committed in the thread."""
+    entry = earlier.entry
+    if entry.key == ctx.key:
+        # This very call committed before (a retry, a replayed step): its recorded result,
+        # as the reconcile rules would give it, one failed insert and one read sooner.
+        yield WriteEvent(_event(ctx, EventKind.TOOL_SKIPPED, reason=f"already {entry.status}"))
+        return CallOutcome(result=entry.result, replayed=True)
+    yield WriteEvent(
+        _event(
+            ctx,
+            EventKind.REPEAT_CAUGHT,
+            args=dict(ctx.args),
+            earlier_key=entry.key,
+            earlier_tool_call_id=entry.tool_call_id,
+            step=earlier.step,
+            result=_brief(entry.result),
+        )
+    )
+    return CallOutcome(result=repeat_note(earlier), replayed=True, repeat_of=entry.key)
+
+
+def in_flight(entry: LedgerEntry | None) -> TypeGuard[LedgerEntry]:
+    """Whether ``entry`` is an intent whose call may still be running (not one paused on an
+    ``interrupt()``, which its own thread continues)."""
+    return (
+        entry is not None and entry.status is LedgerStatus.INTENDED and not entry.extra.get(PAUSED)
+    )
+
+
+def _await_owner(
+    ctx: CallContext, entry: LedgerEntry
+) -> Generator[Request, Any, LedgerEntry | None]:
+    """Wait for the owner of a live intent; the entry to go on with.
+
+    Committed meanwhile: the recorded result follows. Owner gone with the entry still
+    intended: an orphan, reconciled as usual. Still in progress when the wait ends:
+    :class:`~taskpilots_graph.errors.EffectInProgress`, and nothing runs here.
+    """
+    awaited: Awaited = yield AwaitOwner(entry)
+    if awaited.holder is None:
+        return awaited.entry
+    found = awaited.entry
+    yield WriteEvent(
+        _event(
+            ctx,
+            EventKind.INTENT_AWAITED,
+            owner_thread=entry.thread_id,
+            holder=awaited.holder,
+            waited_s=round(awaited.waited, 3),
+            outcome="in_progress"
+            if awaited.timed_out
+            else (str(found.status) if found is not None else "deleted"),
+        )
+    )
+    if awaited.timed_out:
+        raise EffectInProgress(
+            ctx.key, tool=ctx.tool, owner_thread=entry.thread_id, holder=awaited.holder
+        )
+    return found
 
 
 def _pure_call(ctx: CallContext) -> Protocol:
@@ -425,12 +610,17 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         extra={**intended.extra, "result_reduced": reduced} if reduced else intended.extra,
     )
     succeeded = _event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **_success(ctx, result))
-    yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
+    try:
+        yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
+    except LedgerConflict as exc:
+        # Our call did run: say so, the entry's other writer must not be told otherwise.
+        raise LedgerConflict(ctx.key, performed=True) from exc
     return (yield from _compared(ctx, result, recorded))
 
 
 def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol:
-    maybe_sent = may_have_reached_service(exc)
+    assert ctx.spec is not None
+    maybe_sent = may_have_reached_service(exc, ctx.spec.not_sent)
     failure = classify(exc, ctx.rules)
     info = _error_info(failure, maybe_sent)
     failed = replace(intended, status=LedgerStatus.FAILED, error=info, updated_at=_now())

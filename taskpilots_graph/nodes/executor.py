@@ -14,7 +14,8 @@ checkpoint LangGraph writes after this node is the recovery anchor.
 Durable writes: each side effect costs two (intent, commit), each carrying its events; the
 events of pure tools and of the step are deferred to the thread's next durable write.
 
-With a lease backend (``leases=``) two more guards apply to every side effect:
+Two more guards apply to every side effect, with the lease backend named (``leases=``) or
+else the checkpointer's own database:
 
 * the thread lease the runner holds (:func:`~taskpilots_graph.locks.current_thread_hold`) is
   checked before the intent is written and again just before the tool runs, so a run whose
@@ -24,6 +25,10 @@ With a lease backend (``leases=``) two more guards apply to every side effect:
   the call (``extra["fencing"]``) and passed in ``current_invocation().fencing``. A lock that
   cannot be taken fails the call closed (nothing written, nothing run); see
   :func:`~taskpilots_graph.nodes._protocol.lock_refused`.
+
+An ``intended`` entry found under the key of a new call is waited for while its writer's
+thread lease is held by another runner (:mod:`taskpilots_graph.nodes._await`): a live
+intent is never pre-checked or executed against, only an orphan is reconciled.
 """
 
 from __future__ import annotations
@@ -64,11 +69,15 @@ from taskpilots_graph.ledger import (
 )
 from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 from taskpilots_graph.locks.hold import abusiness_lock, business_lock, current_thread_hold
+from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
+    AwaitOwner,
     CallContext,
     CallOutcome,
+    CheckArgs,
+    FindRepeat,
     ReadEntry,
     RunPrecheck,
     WriteEntry,
@@ -82,6 +91,7 @@ from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import (
     Invocation,
     SideEffectTool,
+    check_args,
     reset_invocation,
     set_invocation,
     spec_of,
@@ -200,11 +210,11 @@ class RecoveryExecutor:
         policies: Recovery policies by tool name; others use ``default_policy``.
         default_policy: The policy of tools without one of their own.
         leases: Lease backend for thread leases (held by ``tp.run`` / ``tp.resume`` / ...,
-            checked here before every side effect) and business locks (``lock=`` tools).
-            Without one, ``lock=`` names are recorded on the ledger but not enforced.
+            checked here before every side effect) and business locks (``lock=`` tools);
+            the checkpointer's own database when omitted.
         lease_ttl: TTL in seconds of the business locks taken here and of the thread
             leases the runner takes for this graph; also the longest a call waits for a
-            business lock held elsewhere.
+            business lock held elsewhere, or for another runner's live intent.
         observations: How results enter the state: large ones become an artifact plus a
             summary (``None``: always whole).
         memory_window: How many model turns the state keeps whole; older ones leave the
@@ -451,7 +461,8 @@ class RecoveryExecutor:
             if message is not None:
                 messages.append(message)
                 if item.ctx.spec is not None and outcome.failure is None:
-                    committed.append(item.ctx.key)
+                    # A caught repeat has no entry of its own: the effect is the earlier one.
+                    committed.append(outcome.repeat_of or item.ctx.key)
             elif outcome.failure is not None:
                 previous = item.record.get("failure") or {}
                 same_as_before = (previous.get("kind"), previous.get("error_type")) == (
@@ -555,14 +566,25 @@ class RecoveryExecutor:
     def _guard(self, item: _Call) -> _Guard:
         spec = item.ctx.spec
         lock_name: str | None = None
-        if self.leases is not None and spec is not None and spec.lock is not None:
+        if spec is not None and spec.lock is not None:
             lock_name = spec.lock(dict(item.ctx.args))
         return _Guard(item.ctx, lock_name)
 
-    def _lock_args(self, guard: _Guard) -> tuple[LeaseBackend, str, str]:
-        assert self.leases is not None
+    @staticmethod
+    def _lock_args(backend: LeaseBackend, guard: _Guard) -> tuple[LeaseBackend, str, str]:
         assert guard.lock_name is not None
-        return (self.leases, *lock_target(guard.lock_name, guard.ctx.tool))
+        return (backend, *lock_target(guard.lock_name, guard.ctx.tool))
+
+    def lease_backend(self) -> LeaseBackend:
+        """Where thread leases and business locks live: the backend named with ``leases=``,
+        else the checkpointer's own database (so ``lock=`` is always enforced)."""
+        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
+
+    async def alease_backend(self) -> LeaseBackend:
+        """Async form of :meth:`lease_backend`."""
+        if self.leases is not None:
+            return self.leases
+        return await self.checkpointer.alease_backend()
 
     def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
@@ -578,8 +600,24 @@ class RecoveryExecutor:
                     outcome: CallOutcome = stop.value
                     return outcome
                 value, thrown = None, None
-                if isinstance(request, ReadEntry):
+                if isinstance(request, CheckArgs):
+                    try:
+                        check_args(_target(item.tool), request.args)
+                    except Exception as exc:
+                        thrown = exc
+                elif isinstance(request, FindRepeat):
+                    value = cp.committed_effect(
+                        request.thread_id, request.tool, request.args_digest
+                    )
+                elif isinstance(request, ReadEntry):
                     value = cp.ledger_entry(request.key)
+                elif isinstance(request, AwaitOwner):
+                    value = await_owner(
+                        request,
+                        backend=self.lease_backend(),
+                        read=cp.ledger_entry,
+                        timeout=self.lease_ttl,
+                    )
                 elif isinstance(request, WriteEntry):
                     entry = request.entry
                     if entry.status is LedgerStatus.INTENDED and not guard.started:
@@ -590,7 +628,7 @@ class RecoveryExecutor:
                             try:
                                 held = locks.enter_context(
                                     business_lock(
-                                        *self._lock_args(guard),
+                                        *self._lock_args(self.lease_backend(), guard),
                                         ttl=self.lease_ttl,
                                         timeout=self.lease_ttl,
                                     )
@@ -679,8 +717,24 @@ class RecoveryExecutor:
                     outcome: CallOutcome = stop.value
                     return outcome
                 value, thrown = None, None
-                if isinstance(request, ReadEntry):
+                if isinstance(request, CheckArgs):
+                    try:
+                        check_args(_target(item.tool), request.args)
+                    except Exception as exc:
+                        thrown = exc
+                elif isinstance(request, FindRepeat):
+                    value = await cp.acommitted_effect(
+                        request.thread_id, request.tool, request.args_digest
+                    )
+                elif isinstance(request, ReadEntry):
                     value = await cp.aledger_entry(request.key)
+                elif isinstance(request, AwaitOwner):
+                    value = await aawait_owner(
+                        request,
+                        backend=await self.alease_backend(),
+                        read=cp.aledger_entry,
+                        timeout=self.lease_ttl,
+                    )
                 elif isinstance(request, WriteEntry):
                     entry = request.entry
                     if entry.status is LedgerStatus.INTENDED and not guard.started:
@@ -690,7 +744,7 @@ class RecoveryExecutor:
                             try:
                                 held = await locks.enter_async_context(
                                     abusiness_lock(
-                                        *self._lock_args(guard),
+                                        *self._lock_args(await self.alease_backend(), guard),
                                         ttl=self.lease_ttl,
                                         timeout=self.lease_ttl,
                                     )

@@ -48,6 +48,7 @@ from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
 from taskpilots_graph.prompts.templates import Language
+from taskpilots_graph.unfinished import valid_conversation
 from taskpilots_graph.window import decisions_this_turn, model_input
 
 __all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "close_dangling"]
@@ -168,7 +169,9 @@ class ThinkNode:
     def _input(
         self, state: Mapping[str, Any], messages: Sequence[BaseMessage]
     ) -> list[BaseMessage]:
-        return model_input(self.prompt, state.get("memory"), messages)
+        # Whatever the state holds (new input on a thread stopped mid-call, a window cut),
+        # the provider never gets a tool call without its answer: it would reject the body.
+        return valid_conversation(model_input(self.prompt, state.get("memory"), messages))
 
     @staticmethod
     def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:

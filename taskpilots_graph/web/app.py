@@ -29,6 +29,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from taskpilots_graph.errors import ConfigurationError, InvalidDecision, ThreadNotFound
+from taskpilots_graph.ledger import PAUSED, LedgerStatus
 from taskpilots_graph.recovery_map import RecoveryMap, recovery_map
 from taskpilots_graph.replay import replay
 from taskpilots_graph.runner import pending_takeovers
@@ -144,8 +145,21 @@ class _Inbox:
         if (denied := self._denied(request)) is not None:
             return denied
         requests = sorted(pending_takeovers(self.checkpointer), key=lambda r: r.thread_id)
+        # Nothing hidden: effects left intended by a stopped run, or that nobody could
+        # confirm, are listed even where no takeover asks about them (yet).
+        unsettled = [
+            e
+            for e in recovery_api(self.checkpointer).ledger(None)
+            if e.status is LedgerStatus.UNCERTAIN
+            or (e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED))
+        ]
         return self._render(
-            request, "inbox.html", requests=requests, jobs=self.jobs.recent(), rmap=self.map
+            request,
+            "inbox.html",
+            requests=requests,
+            unsettled=unsettled,
+            jobs=self.jobs.recent(),
+            rmap=self.map,
         )
 
     def thread(self, request: Request) -> Response:

@@ -1,0 +1,201 @@
+"""The thread lease and business locks of :class:`RecoveryMiddleware`.
+
+langchain's ``create_agent`` builds the graph, so the middleware cannot wrap the whole run
+the way the recovery agent's own graph does: no hook spans a run and is sure to run again
+when it ends by an exception or an interrupt. It holds the thread lease around each step
+it wraps instead (each model call and each tool call), which covers every side effect: a
+second runner of the thread gets :class:`~taskpilots_graph.errors.ThreadBusy` while a step
+runs. A runner that already holds the lease (``tp.run``, ``tp.resume``, ... always do) is
+not asked again: then the lease spans the whole run.
+
+The tool calls of one model message run in parallel (one task each, from one checkpoint):
+they share one hold, counted, so they do not lock each other out. A ``lock=`` tool takes its
+business lock before its intent is written and keeps it until the call is settled, as in
+the recovery agent's executor; the fencing token goes on the ledger entry and into
+``current_invocation().fencing``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from taskpilots_graph.guard import held_here
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.hold import (
+    AsyncHold,
+    Hold,
+    abusiness_lock,
+    ahold,
+    business_lock,
+    hold,
+    reset_thread_hold,
+    set_thread_hold,
+)
+from taskpilots_graph.nodes.executor import lock_target
+from taskpilots_graph.tools import Invocation
+
+__all__ = ["CallLocks", "StepLeases"]
+
+_Key = tuple[str, str | None]
+
+
+@dataclass
+class _Shared:
+    held: Hold | AsyncHold
+    exit: Callable[[], Any]
+    users: int = 1
+
+
+@dataclass
+class StepLeases:
+    """Thread leases held around the middleware's steps, shared by parallel steps of a run."""
+
+    backend: Callable[[], LeaseBackend]
+    abackend: Callable[[], Awaitable[LeaseBackend]]
+    ttl: float
+    _shared: dict[_Key, _Shared] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _alocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+
+    def _release(self, key: _Key, shared: _Shared) -> Callable[[], Any] | None:
+        with self._lock:
+            shared.users -= 1
+            if shared.users:
+                return None
+            del self._shared[key]
+            return shared.exit
+
+    @contextlib.contextmanager
+    def step(self, thread_id: str, run: str | None) -> Iterator[None]:
+        """Hold ``thread:<thread_id>`` for a step of the run that started from ``run``."""
+        if held_here(thread_id) is not None:
+            yield
+            return
+        key = (thread_id, run)
+        with self._lock:  # acquired under the lock: parallel calls of a step share one hold
+            shared = self._shared.get(key)
+            if shared is not None:
+                shared.users += 1
+            else:
+                stack = contextlib.ExitStack()
+                held = stack.enter_context(
+                    hold(self.backend(), thread_lease_name(thread_id), ttl=self.ttl)
+                )
+                shared = self._shared[key] = _Shared(held, stack.close)
+        token = set_thread_hold(shared.held)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):
+                reset_thread_hold(token)
+            done = self._release(key, shared)
+            if done is not None:
+                done()
+
+    def _alock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            found = self._alocks.get(loop)
+            if found is None:
+                found = self._alocks[loop] = asyncio.Lock()
+            return found
+
+    @contextlib.asynccontextmanager
+    async def astep(self, thread_id: str, run: str | None) -> AsyncIterator[None]:
+        """Async form of :meth:`step`."""
+        if held_here(thread_id) is not None:
+            yield
+            return
+        key = (thread_id, run)
+        async with self._alock():
+            with self._lock:
+                shared = self._shared.get(key)
+                if shared is not None:
+                    shared.users += 1
+            if shared is None:
+                stack = contextlib.AsyncExitStack()
+                backend = await self.abackend()
+                held = await stack.enter_async_context(
+                    ahold(backend, thread_lease_name(thread_id), ttl=self.ttl)
+                )
+                with self._lock:
+                    shared = self._shared[key] = _Shared(held, stack.aclose)
+        token = set_thread_hold(shared.held)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):
+                reset_thread_hold(token)
+            done = self._release(key, shared)
+            if done is not None:
+                await done()
+
+
+@dataclass
+class CallLocks:
+    """The business lock of one tool call through the middleware (driver state)."""
+
+    thread_id: str
+    ttl: float
+    fencing: int | None = None
+    _check: Callable[[], None] | None = None
+    _taken: set[str] = field(default_factory=set)
+
+    def _target(self, entry: LedgerEntry) -> tuple[str, str] | None:
+        # Once per lock name: a retry keeps the lock it holds, a fallback takes its own.
+        if entry.status is not LedgerStatus.INTENDED or not entry.lock or entry.lock in self._taken:
+            return None
+        self._taken.add(entry.lock)
+        return lock_target(entry.lock, entry.tool)
+
+    def before_write(
+        self, entry: LedgerEntry, backend: Callable[[], LeaseBackend], stack: contextlib.ExitStack
+    ) -> LedgerEntry:
+        """Take the entry's business lock before its first intent (raises if it cannot)."""
+        target = self._target(entry)
+        if target is not None:
+            held = stack.enter_context(
+                business_lock(backend(), *target, ttl=self.ttl, timeout=self.ttl)
+            )
+            self._check, self.fencing = held.check, held.fencing
+        return self.stamp(entry)
+
+    async def abefore_write(
+        self,
+        entry: LedgerEntry,
+        backend: Callable[[], Awaitable[LeaseBackend]],
+        stack: contextlib.AsyncExitStack,
+    ) -> LedgerEntry:
+        """Async form of :meth:`before_write`."""
+        target = self._target(entry)
+        if target is not None:
+            held = await stack.enter_async_context(
+                abusiness_lock(await backend(), *target, ttl=self.ttl, timeout=self.ttl)
+            )
+            self._check, self.fencing = held.check, held.fencing
+        return self.stamp(entry)
+
+    def stamp(self, entry: LedgerEntry) -> LedgerEntry:
+        if self.fencing is None or entry.extra.get("fencing") == self.fencing:
+            return entry
+        return replace(entry, extra={**entry.extra, "fencing": self.fencing})
+
+    def before_call(self, invocation: Invocation | None) -> Invocation | None:
+        """Check the thread lease and the business lock just before the tool runs."""
+        if invocation is None:
+            return None
+        held = held_here(self.thread_id)  # LeaseLost if the step's lease was lost
+        if held is not None:
+            held.check()
+        if self._check is not None:
+            self._check()
+        return invocation if self.fencing is None else replace(invocation, fencing=self.fencing)

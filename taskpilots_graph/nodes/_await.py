@@ -1,0 +1,101 @@
+"""Carrying out the protocol's :class:`~taskpilots_graph.nodes._protocol.AwaitOwner`.
+
+An ``intended`` ledger entry is either an orphan (its writer crashed: reconcile it) or the
+footprint of a call running right now in another runner (a business key shared by two
+threads or agents). The two look the same in the ledger; the writer's thread lease tells
+them apart, since every runner holds ``thread:<thread_id>`` while its graph runs. While
+another runner holds it, the entry is re-read until it leaves ``intended`` or the lease is
+gone, bounded by ``timeout``.
+
+Shared by both drivers of the protocol (the recovery agent's executor and
+``RecoveryMiddleware``), sync and async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from taskpilots_graph.ledger import LedgerEntry
+from taskpilots_graph.locks.base import (
+    Lease,
+    LeaseBackend,
+    holder_died,
+    poll_delay,
+    thread_lease_name,
+)
+from taskpilots_graph.locks.hold import current_thread_hold
+from taskpilots_graph.nodes._protocol import Awaited, AwaitOwner, in_flight
+
+__all__ = ["aawait_owner", "await_owner"]
+
+
+def _live(lease: Lease | None) -> Lease | None:
+    """``lease`` unless its holder is a process of this machine that is gone (SIGKILL)."""
+    return None if lease is None or holder_died(lease.owner) else lease
+
+
+def _ours(name: str) -> bool:
+    held = current_thread_hold()
+    return held is not None and not held.released and held.name == name
+
+
+def await_owner(
+    request: AwaitOwner,
+    *,
+    backend: LeaseBackend,
+    read: Callable[[str], LedgerEntry | None],
+    timeout: float,
+) -> Awaited:
+    """Wait (sync) while another runner holds the lease of the entry's thread."""
+    entry = request.entry
+    name = thread_lease_name(entry.thread_id)
+    if _ours(name):
+        return Awaited(entry)  # our own thread's intent: its writer crashed, we hold it now
+    owner = _live(backend.holder(name))
+    if owner is None:
+        return Awaited(entry)
+    start = time.monotonic()
+    deadline = start + timeout
+    attempt = 0
+    found: LedgerEntry | None = entry
+    while True:
+        time.sleep(poll_delay(attempt, max(0.0, deadline - time.monotonic())))
+        attempt += 1
+        found = read(entry.key)
+        waited = time.monotonic() - start
+        if not in_flight(found) or _live(backend.holder(name)) is None:
+            return Awaited(found, owner.owner, waited)
+        if time.monotonic() >= deadline:
+            return Awaited(found, owner.owner, waited, timed_out=True)
+
+
+async def aawait_owner(
+    request: AwaitOwner,
+    *,
+    backend: LeaseBackend,
+    read: Callable[[str], Awaitable[LedgerEntry | None]],
+    timeout: float,
+) -> Awaited:
+    """Async form of :func:`await_owner`."""
+    entry = request.entry
+    name = thread_lease_name(entry.thread_id)
+    if _ours(name):
+        return Awaited(entry)
+    owner = _live(await backend.aholder(name))
+    if owner is None:
+        return Awaited(entry)
+    start = time.monotonic()
+    deadline = start + timeout
+    attempt = 0
+    found: LedgerEntry | None = entry
+    while True:
+        await asyncio.sleep(poll_delay(attempt, max(0.0, deadline - time.monotonic())))
+        attempt += 1
+        found = await read(entry.key)
+        waited = time.monotonic() - start
+        if not in_flight(found) or _live(await backend.aholder(name)) is None:
+            return Awaited(found, owner.owner, waited)
+        if time.monotonic() >= deadline:
+            return Awaited(found, owner.owner, waited, timed_out=True)

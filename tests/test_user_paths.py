@@ -1,0 +1,70 @@
+"""The paths users and models take, end to end, in both agent forms.
+
+A model that decides only from its conversation (``_pharmacy.ConversationModel``) runs a
+four-step pharmacy workflow with the default settings, through ``create_recovery_agent`` and
+through langchain's ``create_agent`` + ``RecoveryMiddleware``. Whatever the model re-plans
+after earlier turns leave its view, the pharmacy (its own SQLite file) performs each effect
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain.agents import create_agent
+from langgraph.errors import GraphRecursionError
+
+import taskpilots_graph as tp
+from taskpilots_graph.middleware import RecoveryMiddleware
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pharmacy import PLAN, ConversationModel, Pharmacy, pharmacy_tools, tool_answers
+
+FORMS = ["recovery_agent", "create_agent"]
+
+
+@pytest.fixture
+def pharmacy(tmp_path: Path) -> Pharmacy:
+    return Pharmacy(str(tmp_path / "pharmacy.db"))
+
+
+@pytest.fixture
+def cp(sqlite_path: str) -> Iterator[tp.RecoveryCheckpointer]:
+    with tp.RecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as saver:
+        saver.setup()
+        yield saver
+
+
+def build(form: str, model: ConversationModel, cp: Any, pharmacy: Pharmacy) -> Any:
+    tools = pharmacy_tools(pharmacy)
+    if form == "recovery_agent":
+        return tp.create_recovery_agent(model, tools, checkpointer=cp)
+    return create_agent(model, tools, checkpointer=cp, middleware=[RecoveryMiddleware(cp)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_model_reading_only_its_conversation_performs_each_effect_once(
+    form: str, cp: tp.RecoveryCheckpointer, pharmacy: Pharmacy
+) -> None:
+    model = ConversationModel(plan=PLAN)
+    agent = build(form, model, cp, pharmacy)
+    config = {"configurable": {"thread_id": f"rx-{form}"}, "recursion_limit": 60}
+    # A run that stops (stuck, a person asked) is fine here; a repeated effect is not.
+    with contextlib.suppress(tp.TaskPilotsError, GraphRecursionError):
+        agent.invoke({"messages": [("user", "fill the prescription of p-7")]}, config)
+    counts = {s: pharmacy.count(s) for s in ("dispense", "charge", "message")}
+    # The default memory window may take earlier turns out of the model's view, so the
+    # model re-plans them; the ledger answers those repeats instead of the pharmacy.
+    assert counts["dispense"] == 1
+    assert max(counts.values()) == 1, counts
+    # No entry is left unsettled.
+    assert all(str(e.status) == "committed" for e in cp.ledger(f"rx-{form}"))
+    # Every repeat the model asked for was answered with what happened the first time.
+    for conversation in model.inputs:
+        for text in tool_answers(conversation).get("dispense", []):
+            assert "label #1" in text
