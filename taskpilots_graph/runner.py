@@ -24,7 +24,6 @@ from langgraph.pregel import Pregel
 from langgraph.types import Command, StateSnapshot
 from pydantic import BaseModel, ValidationError
 
-from taskpilots_graph import _clock
 from taskpilots_graph.agent import find_executor, lease_source
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.errors import (
@@ -39,7 +38,7 @@ from taskpilots_graph.guard import aguard_thread, guard_thread
 from taskpilots_graph.ledger import LedgerStatus, SideEffectUncertain
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import targets
-from taskpilots_graph.nodes.think import RESUME_KEY
+from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 from taskpilots_graph.unfinished import (
     OrphanOutcome,
@@ -80,15 +79,6 @@ def _saver(graph: Pregel[Any, Any]) -> BaseCheckpointSaver[Any]:
             "builder.compile(checkpointer=RecoveryCheckpointer(...))"
         )
     return cp
-
-
-def _mark_resumed(cfg: RunnableConfig, seq: int, snapshot: StateSnapshot) -> None:
-    """Tell the think node this run continues an earlier one (it re-anchors the model)."""
-    age = 0.0
-    if snapshot.created_at:
-        created = datetime.fromisoformat(snapshot.created_at)
-        age = max(0.0, _clock.now() - created.timestamp())
-    cfg["configurable"][RESUME_KEY] = {"seq": seq, "age": age}
 
 
 @contextmanager
@@ -266,7 +256,7 @@ def resume(
             return snapshot.values
         if isinstance(cp, RecoveryAPI):
             event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         return graph.invoke(None, cfg, **kwargs)
 
 
@@ -296,7 +286,7 @@ async def aresume(
             event = await cp.aappend_event(
                 thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
             )
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         return await graph.ainvoke(None, cfg, **kwargs)
 
 
@@ -431,7 +421,7 @@ def decide(
         command = _answer(graph, snapshot, thread_id, parsed)
         if isinstance(cp, RecoveryAPI):
             event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         return graph.invoke(command, cfg, **kwargs)
 
 
@@ -457,7 +447,7 @@ async def adecide(
             event = await cp.aappend_event(
                 thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
             )
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         return await graph.ainvoke(command, cfg, **kwargs)
 
 

@@ -60,7 +60,8 @@ from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 from taskpilots_graph.nodes.executor import pending_calls
-from taskpilots_graph.runner import _aleased, _config, _leased, _mark_resumed
+from taskpilots_graph.nodes.think import resumed_config
+from taskpilots_graph.runner import _aleased, _config, _leased
 
 __all__ = [
     "Attribution",
@@ -347,7 +348,7 @@ def recover(
         if isinstance(cp, RecoveryAPI):
             payload = _resumed_payload(snapshot, attribution)
             event = cp.append_event(thread_id, EventKind.RUN_RESUMED, payload)
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         # Parking again in waiting_tool until the next retry_at is a normal end of a run.
         with contextlib.suppress(ToolWaiting):
             graph.invoke(None, cfg, **kwargs)
@@ -372,7 +373,7 @@ async def arecover(
         if isinstance(cp, RecoveryAPI):
             payload = _resumed_payload(snapshot, attribution)
             event = await cp.aappend_event(thread_id, EventKind.RUN_RESUMED, payload)
-            _mark_resumed(cfg, event.seq, snapshot)
+            cfg = resumed_config(cfg, event.seq, snapshot)
         with contextlib.suppress(ToolWaiting):
             await graph.ainvoke(None, cfg, **kwargs)
         return True

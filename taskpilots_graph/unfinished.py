@@ -35,14 +35,14 @@ new input could decide the same effect again.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
+from langchain_core.messages import ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
@@ -52,13 +52,20 @@ from taskpilots_graph.errors import PendingTakeover, ToolWaiting
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import (
     PAUSED,
-    Done,
     LedgerEntry,
     LedgerStatus,
-    NotDone,
+    SideEffectSpec,
     SideEffectUncertain,
-    Unknown,
 )
+from taskpilots_graph.nodes._protocol import (
+    CallContext,
+    RunPrecheck,
+    WriteEntry,
+    WriteEvent,
+    settle_orphan,
+)
+from taskpilots_graph.nodes.executor import acall_precheck, call_precheck, pending_calls
+from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.tools import spec_of
 
 __all__ = [
@@ -68,57 +75,10 @@ __all__ = [
     "before_run",
     "orphan_intents",
     "reconcile_orphans",
-    "valid_conversation",
 ]
 
 MAX_ROUNDS = 4
 """Continuations of left-over work before new input runs (each may stop on a new wait)."""
-
-NO_ANSWER = "Error: no answer was recorded for this call; it may not have run."
-"""What the model reads for a tool call found without an answer (see
-:func:`valid_conversation`)."""
-
-
-# -- what the model may be shown -------------------------------------------------------------
-
-
-def valid_conversation(messages: Sequence[BaseMessage]) -> list[BaseMessage]:
-    """``messages`` with every tool call answered exactly once, before the next message.
-
-    Providers reject a conversation in which an AI message's tool call has no
-    ``ToolMessage`` before the next human or AI message (OpenAI-compatible APIs: HTTP 400,
-    and a retry sends the same invalid body). A call left open gets :data:`NO_ANSWER` right
-    after its last answered sibling; an answer to no open call (a duplicate, or one whose
-    call left the conversation) is dropped. A valid conversation is returned unchanged.
-    """
-    out: list[BaseMessage] = []
-    open_calls: dict[str, ToolCall] = {}
-    changed = False
-
-    def close() -> None:
-        nonlocal changed
-        for call_id, call in open_calls.items():
-            out.append(
-                ToolMessage(
-                    content=NO_ANSWER, tool_call_id=call_id, name=call["name"], status="error"
-                )
-            )
-            changed = True
-        open_calls.clear()
-
-    for message in messages:
-        if isinstance(message, ToolMessage):
-            if open_calls.pop(message.tool_call_id, None) is not None:
-                out.append(message)
-            else:
-                changed = True
-            continue
-        close()
-        out.append(message)
-        if isinstance(message, AIMessage):
-            open_calls = {c["id"] or "": c for c in message.tool_calls}
-    close()
-    return out if changed else list(messages)
 
 
 # -- orphan intents, from the ledger alone ---------------------------------------------------
@@ -152,144 +112,102 @@ def orphan_intents(entries: Sequence[LedgerEntry]) -> list[LedgerEntry]:
     return [e for e in entries if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)]
 
 
-def _graph_tools(graph: Any) -> dict[str, BaseTool]:
-    from taskpilots_graph.drills import graph_tools
-
-    return graph_tools(graph)
-
-
-def _event(entry: LedgerEntry, kind: EventKind, **payload: Any) -> EventRecord:
-    body = {"tool": entry.tool, "key": entry.key, "tool_call_id": entry.tool_call_id, **payload}
-    return prepare_event(
-        entry.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=entry.checkpoint_ns
-    )
-
-
-def _settled(
-    entry: LedgerEntry, answer: Any, idempotent: bool
-) -> tuple[LedgerEntry, EventRecord, str]:
-    """The entry after the pre-check's ``answer`` (``None``: the tool has no pre-check)."""
-    from taskpilots_graph.nodes._protocol import recordable
-
-    now = datetime.now(UTC)
-    if isinstance(answer, Done):
-        result, reduced = recordable(answer.result)
-        proof, proof_reduced = recordable(answer.proof)
-        done = replace(
-            entry,
-            status=LedgerStatus.COMMITTED,
-            result=result,
-            proof=proof,
-            updated_at=now,
-            extra={
-                **entry.extra,
-                "reconciled": "precheck_done",
-                "result_reduced": reduced or proof_reduced,
-            },
-        )
-        return done, _event(entry, EventKind.EFFECT_RECONCILED, outcome="done"), "done"
-    if isinstance(answer, NotDone):
-        # The effect never happened: the entry is closed as a call that was not performed,
-        # so the same key executes normally if it is ever called again.
-        failed = replace(
-            entry,
-            status=LedgerStatus.FAILED,
-            error={
-                "type": "NotPerformed",
-                "message": "the run stopped before the effect; the pre-check found no trace",
-                "maybe_sent": False,
-            },
-            updated_at=now,
-        )
-        return failed, _event(entry, EventKind.EFFECT_RECONCILED, outcome="not_done"), "not_done"
-    reason = (
-        f"the pre-check could not tell ({answer.reason})"
-        if isinstance(answer, Unknown)
-        else "it has no pre-check"
-    )
-    if idempotent:
-        # The service deduplicates by key: a later call under this key is safe, and until
-        # then the effect counts as possibly performed.
-        failed = replace(
-            entry,
-            status=LedgerStatus.FAILED,
-            error={
-                "type": "OutcomeUnknown",
-                "message": f"the run stopped mid-call and {reason}",
-                "maybe_sent": True,
-            },
-            updated_at=now,
-        )
-        event = _event(entry, EventKind.EFFECT_RECONCILED, outcome="unknown_idempotent")
-        return failed, event, "unknown_idempotent"
-    marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=now)
-    why = f"the run stopped after the call may have been sent and {reason}"
-    return marked, _event(entry, EventKind.EFFECT_UNCERTAIN, reason=why), "uncertain"
-
-
-def _context(entry: LedgerEntry) -> Any:
-    from taskpilots_graph.nodes._protocol import CallContext
-
+def _orphan_context(entry: LedgerEntry, spec: SideEffectSpec) -> CallContext:
+    """The call an orphan intent was made for, as the protocol knows calls."""
     return CallContext(
         thread_id=entry.thread_id,
         checkpoint_ns=entry.checkpoint_ns,
         tool=entry.tool,
         args=dict(entry.args),
         tool_call_id=entry.tool_call_id,
-        spec=None,
+        spec=spec,
         key=entry.key,
     )
+
+
+def _orphans(graph: Any, entries: Sequence[LedgerEntry]) -> list[tuple[LedgerEntry, Any]]:
+    """The orphan intents among ``entries``, each with its tool's side-effect spec (``None``
+    for a tool this graph does not have: nothing here can ask about it)."""
+    from taskpilots_graph.drills import graph_tools
+
+    orphans = orphan_intents(entries)
+    if not orphans:
+        return []
+    tools = graph_tools(graph)
+    return [(e, spec_of(t) if (t := tools.get(e.tool)) is not None else None) for e in orphans]
 
 
 def reconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
     """Settle the thread's orphan intents from the ledger alone (no checkpoint needed).
 
     Used where the graph cannot reach the call: the checkpoint showing it was never written
-    (durability ``"exit"`` or ``"async"`` and a crash). Each entry is asked about with its
-    tool's pre-check and moved with a compare-and-set, like the executor does; an entry of
-    a tool this graph does not have is left as it is.
+    (durability ``"exit"`` or ``"async"`` and a crash), or new input is about to replace
+    the stopped turn. The rules are the protocol's (:func:`~taskpilots_graph.nodes.
+    _protocol.settle_orphan`): pre-check ``Done`` commits, ``NotDone`` closes the entry as
+    not performed, an idempotent tool's unknown outcome stays retryable under its key,
+    anything else is ``uncertain``. An entry of a tool this graph does not have is left.
     """
-    from taskpilots_graph.nodes._protocol import RunPrecheck
-    from taskpilots_graph.nodes.executor import _precheck
-
-    tools = _graph_tools(graph)
     outcomes = []
-    for entry in orphan_intents(cp.ledger(thread_id)):
-        tool = tools.get(entry.tool)
-        spec = spec_of(tool) if tool is not None else None
+    for entry, spec in _orphans(graph, cp.ledger(thread_id)):
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
-        answer = None
-        if spec.precheck is not None:
-            ctx = replace(_context(entry), spec=spec)
-            answer = _precheck(ctx, RunPrecheck(entry.key, dict(entry.args)))
-        after, event, outcome = _settled(entry, answer, spec.idempotent)
-        cp.write_ledger(after, expect=(entry.status, entry.attempt), events=[event])
-        outcomes.append(OrphanOutcome(entry.key, entry.tool, after.status, outcome))
+        ctx = _orphan_context(entry, spec)
+        gen = settle_orphan(ctx, entry)
+        pending: list[EventRecord] = []
+        value: Any = None
+        status = entry.status
+        while True:
+            try:
+                request = gen.send(value)
+            except StopIteration as stop:
+                label: str = stop.value
+                break
+            value = None
+            if isinstance(request, RunPrecheck):
+                value = call_precheck(ctx, request)
+            elif isinstance(request, WriteEvent):
+                pending.append(request.event)
+            elif isinstance(request, WriteEntry):
+                cp.write_ledger(
+                    request.entry, expect=request.expect, events=[*pending, request.event]
+                )
+                pending.clear()
+                status = request.entry.status
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, status, label))
     return outcomes
 
 
 async def areconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
     """Async form of :func:`reconcile_orphans`."""
-    from taskpilots_graph.nodes._protocol import RunPrecheck
-    from taskpilots_graph.nodes.executor import _aprecheck
-
-    tools = _graph_tools(graph)
     outcomes = []
-    for entry in orphan_intents(await cp.aledger(thread_id)):
-        tool = tools.get(entry.tool)
-        spec = spec_of(tool) if tool is not None else None
+    for entry, spec in _orphans(graph, await cp.aledger(thread_id)):
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
-        answer = None
-        if spec.precheck is not None:
-            ctx = replace(_context(entry), spec=spec)
-            answer = await _aprecheck(ctx, RunPrecheck(entry.key, dict(entry.args)))
-        after, event, outcome = _settled(entry, answer, spec.idempotent)
-        await cp.awrite_ledger(after, expect=(entry.status, entry.attempt), events=[event])
-        outcomes.append(OrphanOutcome(entry.key, entry.tool, after.status, outcome))
+        ctx = _orphan_context(entry, spec)
+        gen = settle_orphan(ctx, entry)
+        pending: list[EventRecord] = []
+        value: Any = None
+        status = entry.status
+        while True:
+            try:
+                request = gen.send(value)
+            except StopIteration as stop:
+                label: str = stop.value
+                break
+            value = None
+            if isinstance(request, RunPrecheck):
+                value = await acall_precheck(ctx, request)
+            elif isinstance(request, WriteEvent):
+                pending.append(request.event)
+            elif isinstance(request, WriteEntry):
+                await cp.awrite_ledger(
+                    request.entry, expect=request.expect, events=[*pending, request.event]
+                )
+                pending.clear()
+                status = request.entry.status
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, status, label))
     return outcomes
 
 
@@ -365,16 +283,6 @@ def _has_work(snapshot: StateSnapshot) -> bool:
     return bool(snapshot.next or snapshot.tasks)
 
 
-def _resume_config(config: RunnableConfig, seq: int, snapshot: StateSnapshot) -> RunnableConfig:
-    from taskpilots_graph.nodes.think import RESUME_KEY
-
-    age = 0.0
-    if snapshot.created_at:
-        age = max(0.0, _clock.now() - datetime.fromisoformat(snapshot.created_at).timestamp())
-    conf = {**(config.get("configurable") or {}), RESUME_KEY: {"seq": seq, "age": age}}
-    return cast(RunnableConfig, {**config, "configurable": conf})
-
-
 def _when(retry_at: Any) -> str:
     if not isinstance(retry_at, int | float):
         return "a later time"
@@ -399,8 +307,6 @@ def _open_calls(
     snapshot: StateSnapshot, due: float | None
 ) -> tuple[list[ToolMessage], dict[str, Any]]:
     """Truthful answers to every call still open, and the step updates closing them."""
-    from taskpilots_graph.nodes.executor import pending_calls
-
     values = snapshot.values or {}
     messages = values.get("messages") or []
     _, calls = pending_calls(messages)
@@ -453,7 +359,8 @@ def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
     """Settle the thread's unfinished work before ``input`` runs; returns the input to run.
 
     See the module docstring for the order. ``None`` and ``Command`` inputs (resume, a
-    decision) pass unchanged, as does a graph run as another graph's subgraph.
+    decision) pass unchanged, as does a graph run as another graph's subgraph. A thread
+    with nothing unfinished costs two reads: its ledger entries and its state.
 
     Raises:
         PendingTakeover: A person must answer the thread's takeover first (``tp.decide``).
@@ -463,29 +370,32 @@ def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
         return input
     cp = cast(RecoveryAPI, graph.checkpointer)
     thread_id = str(config["configurable"]["thread_id"])
+    entries = cp.ledger(thread_id)
     # Orphans first: once settled, whatever the continued run decides about the same
     # effect meets a settled entry (and the repeat guard), not an open one.
-    if orphan_intents(cp.ledger(thread_id)):
-        reconcile_orphans(graph, cp, thread_id)
+    changed = bool(orphan_intents(entries)) and bool(reconcile_orphans(graph, cp, thread_id))
     due: float | None = None
+    snapshot = graph.get_state(config)
     for _ in range(MAX_ROUNDS):
-        snapshot = graph.get_state(config)
         _refuse_takeover(thread_id, snapshot)
         if not _has_work(snapshot):
             break
-        due = _retry_at(snapshot, cp.events(thread_id))
+        due = _retry_at(snapshot, cp.events(thread_id) if _waits_in_log(snapshot) else ())
         if due is not None and due > _clock.now():
             break
         event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
-        try:
-            _invoke(graph, None, _resume_config(config, event.seq, snapshot))
-        except ToolWaiting:
-            continue  # the state says waiting_tool: its open call is answered below
-    if orphan_intents(cp.ledger(thread_id)):
-        reconcile_orphans(graph, cp, thread_id)
-    snapshot = graph.get_state(config)
+        with contextlib.suppress(ToolWaiting):  # its open call is answered below
+            _invoke(graph, None, resumed_config(config, event.seq, snapshot))
+        changed = True
+        snapshot = graph.get_state(config)
+    if changed:
+        entries = cp.ledger(thread_id)
+        if orphan_intents(entries):
+            reconcile_orphans(graph, cp, thread_id)
+            entries = cp.ledger(thread_id)
     _refuse_takeover(thread_id, snapshot)
-    _refuse_uncertain(thread_id, cp.ledger(thread_id), cp.events(thread_id))
+    if _any_uncertain(entries):
+        _refuse_uncertain(thread_id, entries, cp.events(thread_id))
     answers, closed = _open_calls(snapshot, due)
     if answers:
         cp.append_records([_closed_event(thread_id, answers)])
@@ -498,33 +408,47 @@ async def abefore_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
         return input
     cp = cast(RecoveryAPI, graph.checkpointer)
     thread_id = str(config["configurable"]["thread_id"])
-    if orphan_intents(await cp.aledger(thread_id)):
-        await areconcile_orphans(graph, cp, thread_id)
+    entries = await cp.aledger(thread_id)
+    changed = bool(orphan_intents(entries)) and bool(await areconcile_orphans(graph, cp, thread_id))
     due: float | None = None
+    snapshot = await graph.aget_state(config)
     for _ in range(MAX_ROUNDS):
-        snapshot = await graph.aget_state(config)
         _refuse_takeover(thread_id, snapshot)
         if not _has_work(snapshot):
             break
-        due = _retry_at(snapshot, await cp.aevents(thread_id))
+        log = await cp.aevents(thread_id) if _waits_in_log(snapshot) else ()
+        due = _retry_at(snapshot, log)
         if due is not None and due > _clock.now():
             break
         event = await cp.aappend_event(
             thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
         )
-        try:
-            await _ainvoke(graph, None, _resume_config(config, event.seq, snapshot))
-        except ToolWaiting:
-            continue
-    if orphan_intents(await cp.aledger(thread_id)):
-        await areconcile_orphans(graph, cp, thread_id)
-    snapshot = await graph.aget_state(config)
+        with contextlib.suppress(ToolWaiting):
+            await _ainvoke(graph, None, resumed_config(config, event.seq, snapshot))
+        changed = True
+        snapshot = await graph.aget_state(config)
+    if changed:
+        entries = await cp.aledger(thread_id)
+        if orphan_intents(entries):
+            await areconcile_orphans(graph, cp, thread_id)
+            entries = await cp.aledger(thread_id)
     _refuse_takeover(thread_id, snapshot)
-    _refuse_uncertain(thread_id, await cp.aledger(thread_id), await cp.aevents(thread_id))
+    if _any_uncertain(entries):
+        _refuse_uncertain(thread_id, entries, await cp.aevents(thread_id))
     answers, closed = _open_calls(snapshot, due)
     if answers:
         await cp.aappend_records([_closed_event(thread_id, answers)])
     return _with_answers(graph, input, answers, closed)
+
+
+def _waits_in_log(snapshot: StateSnapshot) -> bool:
+    """Whether a wait for a tool can only be read from the event log (a graph without the
+    recovery agent's flow layer: ``create_agent`` with ``RecoveryMiddleware``)."""
+    return "flow" not in (snapshot.values or {})
+
+
+def _any_uncertain(entries: Sequence[LedgerEntry]) -> bool:
+    return any(e.status is LedgerStatus.UNCERTAIN for e in entries)
 
 
 def _invoke(graph: Any, input: Any, config: RunnableConfig) -> Any:

@@ -29,9 +29,9 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.conversation import NO_ANSWER, valid_conversation
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, args_digest
 from taskpilots_graph.middleware import RecoveryMiddleware
-from taskpilots_graph.unfinished import NO_ANSWER, valid_conversation
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _travel import (

@@ -24,6 +24,7 @@ from taskpilots_graph import _clock
 from taskpilots_graph.agent import DEFAULT_LEASE_TTL
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.conversation import valid_conversation
 from taskpilots_graph.errors import ConfigurationError, LedgerConflict
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerEntry
@@ -54,10 +55,9 @@ from taskpilots_graph.nodes._protocol import (
     WriteEntry,
     WriteEvent,
 )
-from taskpilots_graph.nodes.executor import _aprecheck, _precheck
+from taskpilots_graph.nodes.executor import acall_precheck, call_precheck
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.tools import reset_invocation, set_invocation
-from taskpilots_graph.unfinished import valid_conversation
 
 __all__ = ["RecoveryMiddleware"]
 
@@ -332,7 +332,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             pending.append(req.event)
             return None
         if isinstance(req, CheckEffect):
-            return _precheck(req.ctx, req.request)
+            return call_precheck(req.ctx, req.request)
         if isinstance(req, Sleep):
             _clock.sleep(req.seconds)
             return None
@@ -462,7 +462,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         if isinstance(req, WriteEntry):
             return await self._awrite(req, pending)
         if isinstance(req, CheckEffect):
-            return await _aprecheck(req.ctx, req.request)
+            return await acall_precheck(req.ctx, req.request)
         if isinstance(req, Sleep):
             await _clock.asleep(req.seconds)
             return None

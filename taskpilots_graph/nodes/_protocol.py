@@ -70,6 +70,7 @@ __all__ = [
     "may_have_reached_service",
     "repeat_note",
     "run_call",
+    "settle_orphan",
 ]
 
 SUMMARY_CHARS = 2048
@@ -500,6 +501,57 @@ def _compared(ctx: CallContext, result: Any, recorded: Any) -> Protocol:
     return CallOutcome(error=exc, failure=classify(exc))
 
 
+def _ask_precheck(ctx: CallContext) -> Generator[Request, Any, PrecheckOutcome | None]:
+    """The pre-check's answer about the call's key (``None``: the tool has none)."""
+    assert ctx.spec is not None
+    if ctx.spec.precheck is None:
+        return None
+    outcome = yield RunPrecheck(ctx.key, dict(ctx.args))
+    if not isinstance(outcome, Done | NotDone | Unknown):
+        raise TypeError(
+            f"pre-check of {ctx.tool!r} returned {outcome!r}; return tp.Done(...), "
+            "tp.NotDone() or tp.Unknown()"
+        )
+    return outcome
+
+
+def _commit_found(ctx: CallContext, entry: LedgerEntry, found: Done) -> Protocol:
+    """Commit an effect the pre-check found performed, with its proof; nothing runs."""
+    result, reduced = recordable(found.result)
+    proof, proof_reduced = recordable(found.proof)
+    done = replace(
+        entry,
+        status=LedgerStatus.COMMITTED,
+        result=result,
+        proof=proof,
+        updated_at=_now(),
+        extra={
+            **entry.extra,
+            "reconciled": "precheck_done",
+            "result_reduced": reduced or proof_reduced,
+        },
+    )
+    event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=_brief(proof))
+    yield WriteEntry(done, (entry.status, entry.attempt), event)
+    return CallOutcome(result=result, replayed=True)
+
+
+def _mark_uncertain(
+    ctx: CallContext, entry: LedgerEntry, why: str, outcome: PrecheckOutcome | None
+) -> Generator[Request, Any, str]:
+    """Mark an effect nobody can confirm ``uncertain``; returns the reason (for a person)."""
+    reason = why + (
+        "; the pre-check could not tell" if outcome is not None else "; it has no pre-check"
+    )
+    marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=_now())
+    yield WriteEntry(
+        marked,
+        (entry.status, entry.attempt),
+        _event(ctx, EventKind.EFFECT_UNCERTAIN, reason=reason),
+    )
+    return reason
+
+
 def _reconcile(
     ctx: CallContext, entry: LedgerEntry, why: str
 ) -> Generator[Request, Any, CallOutcome | None]:
@@ -509,46 +561,55 @@ def _reconcile(
     when executing again with the same key is safe, and raises
     :class:`SideEffectUncertain` otherwise (after marking the entry uncertain).
     """
-    spec = ctx.spec
-    assert spec is not None
-    outcome: PrecheckOutcome | None = None
-    if spec.precheck is not None:
-        outcome = yield RunPrecheck(ctx.key, dict(ctx.args))
-        if not isinstance(outcome, Done | NotDone | Unknown):
-            raise TypeError(
-                f"pre-check of {ctx.tool!r} returned {outcome!r}; return tp.Done(...), "
-                "tp.NotDone() or tp.Unknown()"
-            )
-    step = step_after_precheck(outcome, spec)
-    expect = (entry.status, entry.attempt)
+    assert ctx.spec is not None
+    outcome = yield from _ask_precheck(ctx)
     if isinstance(outcome, Done):
-        result, reduced = recordable(outcome.result)
-        proof, proof_reduced = recordable(outcome.proof)
-        done = replace(
-            entry,
-            status=LedgerStatus.COMMITTED,
-            result=result,
-            proof=proof,
-            updated_at=_now(),
-            extra={
-                **entry.extra,
-                "reconciled": "precheck_done",
-                "result_reduced": reduced or proof_reduced,
-            },
-        )
-        event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=_brief(proof))
-        yield WriteEntry(done, expect, event)
-        return CallOutcome(result=result, replayed=True)
-    if step is Step.ESCALATE:
-        reason = why + (
-            "; the pre-check could not tell" if outcome is not None else "; it has no pre-check"
-        )
-        marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=_now())
-        yield WriteEntry(marked, expect, _event(ctx, EventKind.EFFECT_UNCERTAIN, reason=reason))
-        raise _uncertain(ctx, reason)
+        return (yield from _commit_found(ctx, entry, outcome))
+    if step_after_precheck(outcome, ctx.spec) is Step.ESCALATE:
+        raise _uncertain(ctx, (yield from _mark_uncertain(ctx, entry, why, outcome)))
     label = "not_done" if isinstance(outcome, NotDone) else "unknown_idempotent"
     yield WriteEvent(_event(ctx, EventKind.EFFECT_RECONCILED, outcome=label))
     return None
+
+
+def settle_orphan(ctx: CallContext, entry: LedgerEntry) -> Generator[Request, Any, str]:
+    """Reconcile an intent whose run stopped, from the ledger alone, executing nothing.
+
+    The rules of :func:`run_call`'s reconcile branch, except where they would execute
+    again (the pre-check says ``NotDone``, or an idempotent tool's outcome is unknown):
+    nothing runs here; the entry is closed ``failed`` (not sent, or possibly sent and
+    safe to repeat under its key), so a later call of the same key goes by the usual
+    rules. Used where no graph step will reach the call again (new input on the thread, a
+    thread with no checkpoint). Returns ``done``, ``not_done``, ``unknown_idempotent`` or
+    ``uncertain``.
+    """
+    assert ctx.spec is not None
+    outcome = yield from _ask_precheck(ctx)
+    if isinstance(outcome, Done):
+        yield from _commit_found(ctx, entry, outcome)
+        return "done"
+    if step_after_precheck(outcome, ctx.spec) is Step.ESCALATE:
+        yield from _mark_uncertain(
+            ctx, entry, "the run stopped before recording the outcome", outcome
+        )
+        return "uncertain"
+    not_done = isinstance(outcome, NotDone)
+    label = "not_done" if not_done else "unknown_idempotent"
+    failed = replace(
+        entry,
+        status=LedgerStatus.FAILED,
+        error={
+            "type": "NotPerformed" if not_done else "OutcomeUnknown",
+            "message": "the run stopped before the effect; the pre-check found no trace"
+            if not_done
+            else "the run stopped mid-call and nothing can tell whether it was performed",
+            "maybe_sent": not not_done,
+        },
+        updated_at=_now(),
+    )
+    event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome=label)
+    yield WriteEntry(failed, (entry.status, entry.attempt), event)
+    return label
 
 
 def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:

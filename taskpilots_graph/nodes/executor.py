@@ -98,7 +98,15 @@ from taskpilots_graph.tools import (
 )
 from taskpilots_graph.window import MemoryWindow, ObservationPolicy, plan_trim
 
-__all__ = ["RecoveryExecutor", "error_message", "lock_target", "pending_calls", "tool_content"]
+__all__ = [
+    "RecoveryExecutor",
+    "acall_precheck",
+    "call_precheck",
+    "error_message",
+    "lock_target",
+    "pending_calls",
+    "tool_content",
+]
 
 
 STEP_RESULT_CHARS = 120
@@ -648,7 +656,7 @@ class RecoveryExecutor:
                 elif isinstance(request, WriteEvent):
                     step.pending.append(request.event)
                 elif isinstance(request, RunPrecheck):
-                    value = _precheck(item.ctx, request)
+                    value = call_precheck(item.ctx, request)
                 else:
                     if item.ctx.spec is not None:
                         guard.check_all()
@@ -764,7 +772,7 @@ class RecoveryExecutor:
                 elif isinstance(request, WriteEvent):
                     step.pending.append(request.event)
                 elif isinstance(request, RunPrecheck):
-                    value = await _aprecheck(item.ctx, request)
+                    value = await acall_precheck(item.ctx, request)
                 else:
                     if item.ctx.spec is not None:
                         guard.check_all()
@@ -824,7 +832,10 @@ def _target(tool: BaseTool | None) -> BaseTool:
     return tool.tool if isinstance(tool, SideEffectTool) else tool
 
 
-def _precheck(ctx: CallContext, request: RunPrecheck) -> Any:
+def call_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
+    """Carry out the protocol's :class:`RunPrecheck`: the tool's pre-check, or ``Unknown``
+    when the pre-check itself fails (fail closed: a question nobody answered never lets
+    a non-idempotent effect run again)."""
     precheck = ctx.spec.precheck if ctx.spec is not None else None
     assert precheck is not None, "the protocol asks only tools that have a pre-check"
     try:
@@ -836,7 +847,8 @@ def _precheck(ctx: CallContext, request: RunPrecheck) -> Any:
         return Unknown(f"pre-check raised {type(exc).__name__}: {exc}")
 
 
-async def _aprecheck(ctx: CallContext, request: RunPrecheck) -> Any:
+async def acall_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
+    """Async form of :func:`call_precheck` (the pre-check may be a coroutine function)."""
     precheck = ctx.spec.precheck if ctx.spec is not None else None
     assert precheck is not None, "the protocol asks only tools that have a pre-check"
     try:

@@ -21,24 +21,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Any, cast
 
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
     HumanMessage,
-    ToolMessage,
 )
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.errors import GraphBubbleUp
 from langgraph.graph import END
-from langgraph.types import Command
+from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers._api import RecoveryAPI
 from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.conversation import close_dangling, valid_conversation
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import classify, failure_payload
@@ -48,30 +49,23 @@ from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
 from taskpilots_graph.prompts.templates import Language
-from taskpilots_graph.unfinished import valid_conversation
 from taskpilots_graph.window import decisions_this_turn, model_input
 
-__all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "close_dangling"]
+__all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "resumed_config"]
 
 RESUME_KEY = "__taskpilots_resume__"
 """Config key set by ``resume`` / ``decide``: ``{"seq": <run_resumed event>, "age": <s>}``."""
 
 
-def close_dangling(messages: Sequence[BaseMessage]) -> list[ToolMessage]:
-    """Answers for tool calls left without one (a provider rejects such a history)."""
-    answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
-    return [
-        ToolMessage(
-            content="Error: interrupted before an answer; the call may not have run.",
-            tool_call_id=call["id"] or "",
-            name=call["name"],
-            status="error",
-        )
-        for m in messages
-        if isinstance(m, AIMessage)
-        for call in m.tool_calls
-        if call["id"] not in answered
-    ]
+def resumed_config(config: RunnableConfig, seq: int, snapshot: StateSnapshot) -> RunnableConfig:
+    """``config`` telling the think node this run continues an earlier one (it re-anchors
+    the model): the ``run_resumed`` event's ``seq`` and how long the thread was paused."""
+    age = 0.0
+    if snapshot.created_at:
+        created = datetime.fromisoformat(snapshot.created_at)
+        age = max(0.0, _clock.now() - created.timestamp())
+    configurable = {**(config.get("configurable") or {}), RESUME_KEY: {"seq": seq, "age": age}}
+    return cast(RunnableConfig, {**config, "configurable": configurable})
 
 
 @dataclass(frozen=True, slots=True)
