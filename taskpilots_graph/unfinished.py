@@ -43,6 +43,7 @@ from typing import Any, cast
 
 from langchain_core.messages import ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
@@ -125,19 +126,24 @@ def _orphan_context(entry: LedgerEntry, spec: SideEffectSpec) -> CallContext:
     )
 
 
-def _orphans(graph: Any, entries: Sequence[LedgerEntry]) -> list[tuple[LedgerEntry, Any]]:
+def _orphans(
+    graph: Any, tools: Mapping[str, BaseTool] | None, entries: Sequence[LedgerEntry]
+) -> list[tuple[LedgerEntry, SideEffectSpec | None]]:
     """The orphan intents among ``entries``, each with its tool's side-effect spec (``None``
-    for a tool this graph does not have: nothing here can ask about it)."""
-    from taskpilots_graph.drills import graph_tools
-
+    for a tool not at hand: nothing here can ask about it)."""
     orphans = orphan_intents(entries)
     if not orphans:
         return []
-    tools = graph_tools(graph)
+    if tools is None:
+        from taskpilots_graph.drills import graph_tools
+
+        tools = graph_tools(graph)
     return [(e, spec_of(t) if (t := tools.get(e.tool)) is not None else None) for e in orphans]
 
 
-def reconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
+def reconcile_orphans(
+    graph: Any, cp: RecoveryAPI, thread_id: str, *, tools: Mapping[str, BaseTool] | None = None
+) -> list[OrphanOutcome]:
     """Settle the thread's orphan intents from the ledger alone (no checkpoint needed).
 
     Used where the graph cannot reach the call: the checkpoint showing it was never written
@@ -146,9 +152,10 @@ def reconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[Orpha
     _protocol.settle_orphan`): pre-check ``Done`` commits, ``NotDone`` closes the entry as
     not performed, an idempotent tool's unknown outcome stays retryable under its key,
     anything else is ``uncertain``. An entry of a tool this graph does not have is left.
+    ``tools`` (by name) stands in for the graph's where the caller has them at hand.
     """
     outcomes = []
-    for entry, spec in _orphans(graph, cp.ledger(thread_id)):
+    for entry, spec in _orphans(graph, tools, cp.ledger(thread_id)):
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
@@ -178,10 +185,12 @@ def reconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[Orpha
     return outcomes
 
 
-async def areconcile_orphans(graph: Any, cp: RecoveryAPI, thread_id: str) -> list[OrphanOutcome]:
+async def areconcile_orphans(
+    graph: Any, cp: RecoveryAPI, thread_id: str, *, tools: Mapping[str, BaseTool] | None = None
+) -> list[OrphanOutcome]:
     """Async form of :func:`reconcile_orphans`."""
     outcomes = []
-    for entry, spec in _orphans(graph, await cp.aledger(thread_id)):
+    for entry, spec in _orphans(graph, tools, await cp.aledger(thread_id)):
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue

@@ -481,29 +481,45 @@ def _agent(form: str, cp: Any, model: TravelModel, tools: list[Any]) -> Any:
     return create_agent(model, tools, checkpointer=cp, middleware=[RecoveryMiddleware(cp)])
 
 
+def _run_through(entry: str, graph: Any, thread_id: str) -> Any:
+    """The same command, as ``tp.run`` or as LangGraph's own ``invoke``."""
+    if entry == "tp.run":
+        return tp.run(graph, thread_id, START, durability="sync")
+    config = {"configurable": {"thread_id": thread_id}}
+    return graph.invoke(START, config, durability="sync")
+
+
+@pytest.mark.parametrize("entry", ["tp.run", "invoke"])
 @pytest.mark.parametrize("form", ["recovery_agent", "create_agent"])
 def test_the_same_command_after_a_crash_in_both_forms(
-    form: str, sqlite_path: str, desk: TravelDesk
+    form: str, entry: str, sqlite_path: str, desk: TravelDesk
 ) -> None:
     with tp.RecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as cp:
         cp.setup()
         model = TravelModel(plan=TRIP)
         graph = _agent(form, cp, model, _crashing_trip(desk))
         with pytest.raises(Crash):
-            tp.run(graph, "trip-crash", START, durability="sync")
+            _run_through(entry, graph, "trip-crash")
         assert [e.status for e in cp.ledger("trip-crash")] == [LedgerStatus.INTENDED]
 
-        out = tp.run(graph, "trip-crash", START, durability="sync")
+        out = _run_through(entry, graph, "trip-crash")
         assert desk.counts() == {"book_flight": 1, "book_hotel": 1}
         assert unsettled(cp, "trip-crash") == []
         assert_all_valid(model)
         assert out["messages"][-1].content == "Your trip is booked."
 
 
+@pytest.mark.parametrize("entry", ["tp.arun", "ainvoke"])
 @pytest.mark.parametrize("form", ["recovery_agent", "create_agent"])
 def test_the_same_command_after_a_crash_async(
-    form: str, sqlite_path: str, desk: TravelDesk
+    form: str, entry: str, sqlite_path: str, desk: TravelDesk
 ) -> None:
+    async def run(graph: Any) -> Any:
+        if entry == "tp.arun":
+            return await tp.arun(graph, "trip-acrash", START, durability="sync")
+        config = {"configurable": {"thread_id": "trip-acrash"}}
+        return await graph.ainvoke(START, config, durability="sync")
+
     async def scenario() -> None:
         conn = f"sqlite:///{sqlite_path}"
         async with tp.AsyncRecoveryCheckpointer.from_conn_string(conn) as acp:
@@ -511,8 +527,8 @@ def test_the_same_command_after_a_crash_async(
             model = TravelModel(plan=TRIP)
             graph = _agent(form, acp, model, _crashing_trip(desk))
             with pytest.raises(Crash):
-                await tp.arun(graph, "trip-acrash", START, durability="sync")
-            out = await tp.arun(graph, "trip-acrash", START, durability="sync")
+                await run(graph)
+            out = await run(graph)
             assert desk.counts() == {"book_flight": 1, "book_hotel": 1}
             left = [
                 e

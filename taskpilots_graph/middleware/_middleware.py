@@ -58,6 +58,7 @@ from taskpilots_graph.nodes._protocol import (
 from taskpilots_graph.nodes.executor import acall_precheck, call_precheck
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.tools import reset_invocation, set_invocation
+from taskpilots_graph.unfinished import areconcile_orphans, orphan_intents, reconcile_orphans
 
 __all__ = ["RecoveryMiddleware"]
 
@@ -147,6 +148,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         self.leases = leases
         self.lease_ttl = float(lease_ttl)
         self._steps = StepLeases(self.lease_backend, self.alease_backend, self.lease_ttl)
+        # Threads whose run started with orphan intents in the ledger: settled at the first
+        # model call, where the tools (and so their pre-checks) are at hand.
+        self._orphaned: set[str] = set()
 
     def lease_backend(self) -> LeaseBackend:
         """Where thread leases and business locks live: the backend named with ``leases=``,
@@ -382,6 +386,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         handler: Callable[[ModelRequest[Any]], Any],
     ) -> Any:
         cp = self.checkpointer
+        if ctx.thread_id in self._orphaned:
+            self._orphaned.discard(ctx.thread_id)
+            reconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
         cp.append_records([], flush=ctx.thread_id)
         if ctx.durability != "sync":
             digest = messages_digest(list(request.state.get("messages") or []))
@@ -394,6 +401,20 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         response = handler(request)
         self._decided(ctx, _first_ai(response), replayed=False)
         return response
+
+    def before_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Note a thread whose earlier run stopped with effects of unknown outcome.
+
+        ``create_agent`` starts new input at the model, and LangGraph drops the tasks the
+        stopped run left: the model could decide the same effect again under a new
+        tool-call id (a new key). The orphan intents are settled (pre-check, or a person)
+        before the model's first call of this run, so whatever it decides meets a settled
+        entry and the repeat guard. Costs one ledger read per run.
+        """
+        ctx = self._model_context()
+        if ctx is not None and orphan_intents(self.checkpointer.ledger(ctx.thread_id)):
+            self._orphaned.add(ctx.thread_id)
+        return None
 
     def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         """Make the run's last buffered events durable before it returns."""
@@ -505,6 +526,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
     ) -> Any:
         cp = self.checkpointer
+        if ctx.thread_id in self._orphaned:
+            self._orphaned.discard(ctx.thread_id)
+            await areconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
         await cp.aappend_records([], flush=ctx.thread_id)
         if ctx.durability != "sync":
             digest = messages_digest(list(request.state.get("messages") or []))
@@ -518,12 +542,24 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         self._decided(ctx, _first_ai(response), replayed=False)
         return response
 
+    async def abefore_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Async form of :meth:`before_agent`."""
+        ctx = self._model_context()
+        if ctx is not None and orphan_intents(await self.checkpointer.aledger(ctx.thread_id)):
+            self._orphaned.add(ctx.thread_id)
+        return None
+
     async def aafter_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         """Async form of :meth:`after_agent`."""
         ctx = self._model_context()
         if ctx is not None:
             await self.checkpointer.aappend_records([], flush=ctx.thread_id)
         return None
+
+
+def _tool_table(request: ModelRequest[Any]) -> dict[str, BaseTool]:
+    """The agent's tools by name, as the model request carries them."""
+    return {t.name: t for t in request.tools if isinstance(t, BaseTool)}
 
 
 def _answered(request: ModelRequest[Any]) -> ModelRequest[Any]:
