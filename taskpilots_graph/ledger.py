@@ -59,6 +59,7 @@ from taskpilots_graph.errors import ConfigurationError, TaskPilotsError
 
 __all__ = [
     "PAUSED",
+    "RUNNER",
     "CommittedEffect",
     "Done",
     "LedgerEntry",
@@ -73,12 +74,24 @@ __all__ = [
     "canonical_json",
     "default_key",
     "next_step",
+    "runner_of",
     "step_after_precheck",
 ]
 
 
 PAUSED = "paused_on_interrupt"
 """Flag in ``LedgerEntry.extra``: the tool raised LangGraph's interrupt while executing."""
+
+RUNNER = "runner"
+"""Key in ``LedgerEntry.extra``: the thread whose run last executed the entry, when it is
+not the thread that first wrote it (a business key shared by threads or agents)."""
+
+
+def runner_of(entry: LedgerEntry) -> str:
+    """The thread whose run is (or last was) performing ``entry``: while that thread's
+    lease is held, an ``intended`` entry is live, not an orphan."""
+    runner = entry.extra.get(RUNNER)
+    return runner if isinstance(runner, str) and runner else entry.thread_id
 
 
 class LedgerStatus(StrEnum):

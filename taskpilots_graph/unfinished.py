@@ -57,6 +57,7 @@ from taskpilots_graph.ledger import (
     LedgerStatus,
     SideEffectSpec,
     SideEffectUncertain,
+    runner_of,
 )
 from taskpilots_graph.nodes._protocol import (
     CallContext,
@@ -108,9 +109,17 @@ def orphan_intents(entries: Sequence[LedgerEntry]) -> list[LedgerEntry]:
     """Entries left ``intended`` by a run that stopped (not paused on an interrupt).
 
     Called while the thread's lease is held (or by ``resume`` of a thread nobody runs), so
-    no live run of the thread can own them.
+    no live run of the thread can own them. An entry another thread executes again under a
+    shared business key is that runner's, not an orphan of this thread: the next call of
+    its key settles it, waiting for that runner while it lives.
     """
-    return [e for e in entries if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)]
+    return [
+        e
+        for e in entries
+        if e.status is LedgerStatus.INTENDED
+        and not e.extra.get(PAUSED)
+        and runner_of(e) == e.thread_id
+    ]
 
 
 def _orphan_context(entry: LedgerEntry, spec: SideEffectSpec) -> CallContext:

@@ -386,6 +386,64 @@ def test_intent_whose_owner_is_gone_is_reconciled(sqlite_cp: RecoveryCheckpointe
     assert awaited["outcome"] == "intended"
 
 
+def test_an_intent_taken_over_under_a_business_key_is_live_while_its_new_runner_runs(
+    sqlite_cp: RecoveryCheckpointer,
+) -> None:
+    """Thread "first" left an orphan intent; thread "second" reconciles it (NotDone) and
+    performs it again under the shared business key. While second's call runs, the entry
+    is second's: a third thread waits for it instead of pre-checking and executing again,
+    and first's unfinished-work check does not take it for an orphan of its own."""
+    from taskpilots_graph.unfinished import orphan_intents
+
+    sqlite_cp.write_ledger(_intent("first", "o1"), expect=None)
+    started, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def refund(order: str) -> str:
+        calls.append(order)
+        started.set()
+        assert release.wait(10)
+        return f"refunded {order}"
+
+    prechecks: list[str] = []
+
+    def precheck(key: str, args: dict[str, Any]) -> Any:
+        prechecks.append(key)
+        return tp.NotDone()
+
+    tool = tp.side_effect(
+        StructuredTool.from_function(refund, name="refund", description="refund an order"),
+        key=lambda args: f"refund:{args['order']}",
+        precheck=precheck,
+    )
+    graph = tp.create_recovery_agent(
+        PlanModel(plan=[("refund", {"order": "o1"})]), [tool], checkpointer=sqlite_cp
+    )
+    results: dict[str, Any] = {}
+
+    def run(thread_id: str) -> None:
+        results[thread_id] = graph.invoke(_go(), _on(thread_id))
+
+    second = threading.Thread(target=run, args=("second",))
+    second.start()
+    assert started.wait(10)
+    entry = sqlite_cp.ledger_entry("refund:o1")
+    assert entry is not None
+    assert (entry.thread_id, entry.extra.get("runner")) == ("first", "second")
+    assert orphan_intents(sqlite_cp.ledger("first")) == []
+
+    third = threading.Thread(target=run, args=("third",))
+    third.start()
+    time.sleep(0.3)  # third is waiting on second's lease by now
+    release.set()
+    second.join(10)
+    third.join(10)
+    assert (calls, prechecks) == (["o1"], ["refund:o1"])
+    assert _answers(results["third"]) == ["refunded o1"]
+    (awaited,) = _awaited(sqlite_cp, "third")
+    assert (awaited["owner_thread"], awaited["outcome"]) == ("second", "committed")
+
+
 def test_orphan_intent_without_a_lease_is_reconciled_at_once(
     sqlite_cp: RecoveryCheckpointer,
 ) -> None:

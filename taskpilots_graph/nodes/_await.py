@@ -3,7 +3,9 @@
 An ``intended`` ledger entry is either an orphan (its writer crashed: reconcile it) or the
 footprint of a call running right now in another runner (a business key shared by two
 threads or agents). The two look the same in the ledger; the writer's thread lease tells
-them apart, since every runner holds ``thread:<thread_id>`` while its graph runs. While
+them apart, since every runner holds ``thread:<thread_id>`` while its graph runs (the
+runner is the entry's thread, or the thread that executes it again under a shared business
+key: :func:`~taskpilots_graph.ledger.runner_of`). While
 another runner holds it, the entry is re-read until it leaves ``intended`` or the lease is
 gone, bounded by ``timeout``.
 
@@ -17,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from taskpilots_graph.ledger import LedgerEntry
+from taskpilots_graph.ledger import LedgerEntry, runner_of
 from taskpilots_graph.locks.base import (
     Lease,
     LeaseBackend,
@@ -50,7 +52,7 @@ def await_owner(
 ) -> Awaited:
     """Wait (sync) while another runner holds the lease of the entry's thread."""
     entry = request.entry
-    name = thread_lease_name(entry.thread_id)
+    name = thread_lease_name(runner_of(entry))
     if _ours(name):
         return Awaited(entry)  # our own thread's intent: its writer crashed, we hold it now
     owner = _live(backend.holder(name))
@@ -80,7 +82,7 @@ async def aawait_owner(
 ) -> Awaited:
     """Async form of :func:`await_owner`."""
     entry = request.entry
-    name = thread_lease_name(entry.thread_id)
+    name = thread_lease_name(runner_of(entry))
     if _ours(name):
         return Awaited(entry)
     owner = _live(await backend.aholder(name))

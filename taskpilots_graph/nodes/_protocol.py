@@ -36,6 +36,7 @@ from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
 from taskpilots_graph.ledger import (
     PAUSED,
+    RUNNER,
     CommittedEffect,
     Done,
     LedgerEntry,
@@ -48,6 +49,7 @@ from taskpilots_graph.ledger import (
     Unknown,
     args_digest,
     next_step,
+    runner_of,
     step_after_precheck,
 )
 from taskpilots_graph.tools import Invocation
@@ -442,7 +444,7 @@ def _await_owner(
         _event(
             ctx,
             EventKind.INTENT_AWAITED,
-            owner_thread=entry.thread_id,
+            owner_thread=runner_of(entry),
             holder=awaited.holder,
             waited_s=round(awaited.waited, 3),
             outcome="in_progress"
@@ -452,7 +454,7 @@ def _await_owner(
     )
     if awaited.timed_out:
         raise EffectInProgress(
-            ctx.key, tool=ctx.tool, owner_thread=entry.thread_id, holder=awaited.holder
+            ctx.key, tool=ctx.tool, owner_thread=runner_of(entry), holder=awaited.holder
         )
     return found
 
@@ -638,7 +640,7 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
             attempt=attempt,
             error=None,
             updated_at=now,
-            extra={k: v for k, v in entry.extra.items() if k != PAUSED},
+            extra=_runner_extra(entry, ctx.thread_id),
         )
         expect = (entry.status, entry.attempt)
     invoked = _event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt)
@@ -694,6 +696,16 @@ def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol
         if settled is not None:
             return settled
     return CallOutcome(error=exc, failure=failure)
+
+
+def _runner_extra(entry: LedgerEntry, thread_id: str) -> dict[str, Any]:
+    """The entry's ``extra`` for executing it again from ``thread_id``: the pause flag
+    goes, and the runner is named when it is not the entry's own thread, so that others
+    wait for this run (its thread lease) rather than reconcile a live intent."""
+    extra = {k: v for k, v in entry.extra.items() if k not in (PAUSED, RUNNER)}
+    if thread_id != entry.thread_id:
+        extra[RUNNER] = thread_id
+    return extra
 
 
 def lock_refused(
