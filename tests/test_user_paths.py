@@ -1,10 +1,10 @@
 """The paths users and models take, end to end, in both agent forms.
 
 A model that decides only from its conversation (``_pharmacy.ConversationModel``) runs a
-four-step pharmacy workflow with the default settings, on SQLite and PostgreSQL, through ``create_recovery_agent`` and
-through langchain's ``create_agent`` + ``RecoveryMiddleware``. Whatever the model re-plans
-after earlier turns leave its view, the pharmacy (its own SQLite file) performs each effect
-once.
+four-step pharmacy workflow with the default settings, on SQLite and PostgreSQL, through
+``create_recovery_agent`` and through langchain's ``create_agent`` + ``RecoveryMiddleware``.
+Whatever the model re-plans after earlier turns leave its view, the pharmacy (its own
+SQLite file) performs each effect once.
 """
 
 from __future__ import annotations
