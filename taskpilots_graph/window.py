@@ -51,6 +51,7 @@ __all__ = [
     "Trim",
     "decisions_this_turn",
     "earlier_text",
+    "folded_done",
     "model_input",
     "model_summarizer",
     "plan_trim",
@@ -176,6 +177,9 @@ class MemoryState(TypedDict, total=False):
     Attributes:
         earlier: The most recent folded calls, oldest first.
         folded: Calls folded away before those (their trail is in the event log).
+        folded_done: How many of the ``folded`` calls finished (status ``ok``), by tool:
+            the resume prompt counts and names every finished step with it. Missing in
+            states written before it existed (see :func:`folded_done`).
         user_turn: Id of the user message the folded decisions below answer.
         decisions: Model decisions folded away since that user message (the step budget
             counts them with those still in view).
@@ -183,6 +187,7 @@ class MemoryState(TypedDict, total=False):
 
     earlier: list[EarlierStep]
     folded: int
+    folded_done: dict[str, int]
     user_turn: str | None
     decisions: int
 
@@ -299,12 +304,17 @@ def plan_trim(
                 step_ids.append(message.tool_call_id)
                 earlier.append(_earlier(message, record, window.line_chars))
     overflow = max(0, len(earlier) - window.summaries)
+    done = folded_done(memory)
+    for step in earlier[:overflow]:
+        if step["status"] == "ok":
+            done[step["tool"]] = done.get(step["tool"], 0) + 1
     return Trim(
         messages=removed,
         steps=[s for s in step_ids if s in steps],
         memory={
             "earlier": earlier[overflow:],
             "folded": folded + overflow,
+            "folded_done": done,
             "user_turn": user,
             "decisions": decisions,
         },
@@ -319,6 +329,19 @@ def _earlier(message: ToolMessage, record: Mapping[str, Any], limit: int) -> Ear
         status=status,
         result=_short(message.content, limit),
     )
+
+
+def folded_done(memory: MemoryState | None) -> dict[str, int]:
+    """The finished calls among those folded beyond ``earlier``, by tool (a new dict).
+
+    A state written before ``folded_done`` existed counts each of its ``folded`` calls as
+    finished, under the tool name ``"?"``: it did not record which of them failed.
+    """
+    memory = memory or {}
+    if "folded_done" in memory:
+        return dict(memory["folded_done"])
+    folded = int(memory.get("folded", 0))
+    return {"?": folded} if folded else {}
 
 
 def earlier_text(memory: MemoryState | None) -> str:

@@ -12,9 +12,11 @@ prompt, refreshed data, and the optional acknowledgement.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _models import PlanModel
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -32,6 +35,7 @@ from pydantic import Field
 import taskpilots_graph as tp
 from taskpilots_graph.ledger import args_digest
 from taskpilots_graph.prompts import DEFAULT_MAX_CHARS, TEMPLATES
+from taskpilots_graph.testing import answered_calls
 
 WHEN = datetime(2025, 1, 1, tzinfo=UTC)
 UNCERTAIN_REASON = "refund: a side effect may or may not have happened"
@@ -530,3 +534,268 @@ def test_acknowledge_makes_one_extra_call_recorded_as_llm_decided(
     assert [p["acknowledgement"] for p in decided if "acknowledgement" in p] == [ACK]
     assert all(m.content != ACK for m in result["messages"])  # not stored in the thread
     assert result["messages"][-1].content == "final: found o-7, found o-8"
+
+
+# --- finished steps the memory window folded --------------------------------------------------
+
+
+def folded_state() -> dict[str, Any]:
+    """Six finished calls: three the window only counts (one failed), two it lists, one in view."""
+    messages = [
+        HumanMessage("read six pages"),
+        call("c5", "page", {"n": 5}),
+        ToolMessage("page 5", tool_call_id="c5", name="page"),
+    ]
+    memory = {
+        "earlier": [
+            {"tool": "page", "args": "{'n': 3}", "status": "ok", "result": "page 3"},
+            {"tool": "fetch", "args": "{'n': 4}", "status": "ok", "result": "fetched 4"},
+            {"tool": "page", "args": "{'n': 9}", "status": "failed", "result": "Error: no"},
+        ],
+        "folded": 4,
+        "folded_done": {"page": 2, "fetch": 1},
+    }
+    steps = {"c5": closed_step("c5", "page", {"n": 5}, "page 5")}
+    return {"messages": messages, "steps": steps, "memory": memory}
+
+
+def test_folded_steps_are_counted_and_named() -> None:
+    """Steps the window folded count; those it lists are named; the rest are summarised."""
+    facts = tp.resume_facts(folded_state(), [])
+
+    assert facts.folded == {"page": 2, "fetch": 1}
+    assert facts.done == [
+        ("page", "{'n': 3}", "page 3"),
+        ("fetch", "{'n': 4}", "fetched 4"),
+        ("page", '{"n": 5}', "page 5"),
+    ]
+    assert tp.build_resume_prompt(facts) == (
+        "You are resuming an interrupted task.\n"
+        "Goal: read six pages\n"
+        "Progress: 6 step(s) done.\n"
+        "Done:\n"
+        "- … 3 earlier step(s): page x2, fetch x1\n"
+        "- step 4: page({'n': 3}) → page 3\n"
+        "- step 5: fetch({'n': 4}) → fetched 4\n"
+        '- step 6: page({"n": 5}) → page 5\n'
+        "Last observation: page 5\n"
+        "Continue from here; do not repeat completed steps or re-call tools that succeeded."
+    )
+
+
+def test_memory_written_before_folded_done_counts_every_folded_call() -> None:
+    """A state without ``folded_done`` (older checkpoints): its folded calls count as done."""
+    state = folded_state()
+    del state["memory"]["folded_done"]
+    facts = tp.resume_facts(state, [])
+
+    assert facts.folded == {"?": 4}
+    assert "Progress: 7 step(s) done." in tp.build_resume_prompt(facts)
+
+
+def test_folded_steps_stay_counted_within_a_small_budget() -> None:
+    """Over a long folded history the count stays exact and the prompt within the budget."""
+    state = folded_state()
+    state["memory"]["folded_done"] = {"page": 5000, "fetch": 2500}
+    facts = tp.resume_facts(state, [])
+    prompt = tp.build_resume_prompt(facts, max_chars=1000)
+
+    assert len(prompt) <= 1000
+    assert "Progress: 7503 step(s) done." in prompt
+    assert "- … 7500 earlier step(s): page x5000, fetch x2500" in prompt
+
+
+class Crash(BaseException):
+    """Stands in for the process dying: no ``except Exception`` on the way catches it."""
+
+
+@pytest.mark.parametrize("summaries", [6, 1])
+def test_resume_prompt_counts_steps_the_window_folded(
+    cp: tp.RecoveryCheckpointer, summaries: int
+) -> None:
+    """raw_turns=1 and 5 calls, a crash in the 5th: the prompt counts and names all 5."""
+    crashes = [Crash("killed in the fifth call")]
+    plan = [("page", {"n": n}) for n in range(3)] + [("fetch", {"n": n}) for n in (3, 4)]
+
+    def page(n: int) -> str:
+        """Read page ``n``."""
+        return f"page {n}"
+
+    def fetch(n: int) -> str:
+        """Fetch item ``n``."""
+        if n == 4 and crashes:
+            raise crashes.pop()
+        return f"fetched {n}"
+
+    model = PlanModel(plan=plan)
+    graph = tp.create_recovery_agent(
+        model,
+        [StructuredTool.from_function(page), StructuredTool.from_function(fetch)],
+        checkpointer=cp,
+        memory_window=tp.MemoryWindow(raw_turns=1, summaries=summaries),
+    )
+    config = {"configurable": {"thread_id": "t-fold"}}
+    with pytest.raises(Crash):
+        graph.invoke({"messages": [HumanMessage("read and fetch")]}, config)  # type: ignore[arg-type]
+    asked = len(model.inputs)
+
+    tp.resume(graph, "t-fold")
+
+    (prompt,) = resume_prompts(model.inputs[asked])
+    assert "Progress: 5 step(s) done." in prompt
+    # Every step is named: listed with its number, or in the summary line by tool.
+    listed = [line for line in prompt.splitlines() if line.startswith("- step ")]
+    numbers = [int(line.split(":")[0].removeprefix("- step ")) for line in listed]
+    assert numbers == list(range(6 - len(listed), 6))
+    assert 'fetch({"n": 4}) → fetched 4' in prompt  # the last one, still in view
+    if len(listed) < 5:
+        summary = f"- … {5 - len(listed)} earlier step(s): page x{5 - len(listed)}"
+        assert summary in prompt.splitlines()
+
+
+# --- the prompt reaches the model under every checkpoint density ------------------------------
+
+DENSITY_PLAN = [
+    ("lookup", {"n": 0}),
+    ("lookup", {"n": 1}),
+    ("record", {"n": 2}),
+    ("lookup", {"n": 3}),
+    ("lookup", {"n": 4}),
+]
+KILL_AT = 3  # the worker dies inside lookup(n=3), after the record was committed
+KILLED = 9
+
+
+def density_agent(cp: Any, model: Any, density: str, effects: Path, *, kill: bool) -> Any:
+    def lookup(n: int) -> str:
+        """Look up item ``n``."""
+        if kill and n == KILL_AT:
+            os._exit(KILLED)
+        return f"item {n}"
+
+    def record(n: int) -> str:
+        """Record item ``n`` in the external register (a side effect)."""
+        with effects.open("a") as register:
+            register.write(f"{n}\n")
+        return f"recorded {n}"
+
+    tools = [
+        StructuredTool.from_function(lookup),
+        tp.side_effect(StructuredTool.from_function(record)),
+    ]
+    return tp.create_recovery_agent(
+        model,
+        tools,
+        checkpointer=cp,
+        checkpoint_density=density,  # type: ignore[arg-type]
+        lease_ttl=1.0,  # the killed worker's lease lapses quickly; resume waits for it
+    )
+
+
+def _killed_worker(conn: str, thread_id: str, density: str, effects: str) -> None:
+    code = 2
+    try:
+        with tp.RecoveryCheckpointer.from_conn_string(conn) as cp:
+            cp.setup()
+            model = PlanModel(plan=DENSITY_PLAN)
+            graph = density_agent(cp, model, density, Path(effects), kill=True)
+            graph.invoke(
+                {"messages": [HumanMessage("look up five items, record the third")]},
+                {"configurable": {"thread_id": thread_id}},
+                durability="sync",  # each stored checkpoint is on disk before the next step
+            )
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def kill_worker(conn_string: str, thread_id: str, density: str, effects: Path) -> None:
+    """Run the plan in a forked worker that dies inside lookup(n=3)."""
+    worker = multiprocessing.get_context("fork").Process(
+        target=_killed_worker, args=(conn_string, thread_id, density, str(effects))
+    )
+    worker.start()
+    worker.join(120)
+    assert worker.exitcode == KILLED
+    assert effects.read_text() == "2\n"
+
+
+def check_resumed(
+    model: PlanModel,
+    result: Mapping[str, Any],
+    events: Sequence[tp.Event],
+    ledger: Sequence[tp.LedgerEntry],
+    effects: Path,
+    *,
+    replays: bool,
+) -> None:
+    """The model's first real call after the resume had the prompt; nothing was repeated."""
+    first, *later = model.inputs
+    (prompt,) = resume_prompts(first)
+    assert first[-1].content == prompt  # the last thing the model reads
+    assert prompt.startswith(TEMPLATES["en"]["header"])
+    # Counted: every step the model has an answer for, in view or folded by the window.
+    assert f"Progress: {answered_calls(first)} step(s) done." in prompt
+    assert answered_calls(first) >= 3
+    assert all(resume_prompts(messages) == [] for messages in later)  # given once
+    assert all(provider_accepts(messages) for messages in model.inputs)
+    assert result["messages"][-1].content == "done"
+    assert resume_prompts(result["messages"]) == []  # not stored in the thread
+    (resumed,) = [e for e in events if e.kind is tp.EventKind.RUN_RESUMED]
+    assert result["flow"]["resumed_seq"] == resumed.seq  # handled, by the real call
+    assert len([e for e in events if e.kind is tp.EventKind.RESUME_CONTEXT]) == 1
+    replayed = [
+        e for e in events if e.kind is tp.EventKind.LLM_DECIDED and e.payload.get("replayed")
+    ]
+    assert len(replayed) <= 4
+    if replays:
+        # Every decision was recorded before acting and the resume starts before them:
+        # they are replayed without the prompt, which waits for the first real call.
+        assert len(replayed) >= 3
+    # The no-duplicate guarantee holds: the record ran once, under its first key.
+    assert effects.read_text() == "2\n"
+    (entry,) = ledger
+    assert (entry.status, entry.attempt) == (tp.LedgerStatus.COMMITTED, 1)
+
+
+@pytest.mark.parametrize("density", ["every_step", "tool_boundary", "milestones"])
+def test_resume_prompt_reaches_the_model_under_every_density(
+    conn_string: str, tmp_path: Path, density: str
+) -> None:
+    """A worker killed mid-run; after resume the model's first real call has the prompt.
+
+    Where that call comes depends on the density: ``every_step`` resumes before the killed
+    lookup and runs it again; ``tool_boundary`` resumes from a stored boundary (here, after
+    the side effect's observation) and asks the model; ``milestones`` resumes from the
+    input and replays the recorded decisions (the record is not repeated: same call ids,
+    same ledger key), then asks the model, with the prompt.
+    """
+    thread_id = f"t-{density}"
+    effects = tmp_path / "register.txt"
+    kill_worker(conn_string, thread_id, density, effects)
+
+    with tp.RecoveryCheckpointer.from_conn_string(conn_string) as cp:
+        model = PlanModel(plan=DENSITY_PLAN)
+        graph = density_agent(cp, model, density, effects, kill=False)
+        result = tp.resume(graph, thread_id, wait=True)
+        events, ledger = cp.events(thread_id), cp.ledger(thread_id)
+
+    check_resumed(model, result, events, ledger, effects, replays=density == "milestones")
+
+
+async def test_resume_prompt_reaches_the_model_after_aresume_under_milestones(
+    conn_string: str, tmp_path: Path
+) -> None:
+    """The async think node too: replays first, the prompt at the first real call."""
+    effects = tmp_path / "register.txt"
+    kill_worker(conn_string, "t-async", "milestones", effects)
+
+    async with tp.AsyncRecoveryCheckpointer.from_conn_string(conn_string) as acp:
+        model = PlanModel(plan=DENSITY_PLAN)
+        graph = density_agent(acp, model, "milestones", effects, kill=False)
+        result = await tp.aresume(graph, "t-async", wait=True)
+        events, ledger = await acp.aevents("t-async"), await acp.aledger("t-async")
+
+    check_resumed(model, result, events, ledger, effects, replays=True)

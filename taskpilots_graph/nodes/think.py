@@ -6,10 +6,21 @@ new answer would carry new tool-call ids, so new invocation keys, and the ledger
 longer recognise effects already performed. A model generation that drove execution is never
 re-generated.
 
-On the first decision after ``resume`` or ``decide`` (the *resume context*), the node
-closes tool calls left without an answer, runs the registered refreshers when the pause was
-longer than ``refresh_after``, and gives the model the resume prompt of
-:mod:`taskpilots_graph.prompts.resume` (optionally asking it to restate the state first).
+After ``resume`` or ``decide`` (the *resume context*), the node closes tool calls left
+without an answer and, on the first decision of the run that really calls the model, runs
+the registered refreshers when the pause was longer than ``refresh_after`` and gives the
+model the resume prompt of :mod:`taskpilots_graph.prompts.resume` (optionally asking it to
+restate the state first). Only that call marks the resume handled (``flow.resumed_seq``).
+
+A decision replayed from the record is not such a call, and the prompt is not given then:
+the replayed step must repeat the crashed run's decision exactly (same tool calls, same
+ids, so the same ledger keys, and committed effects are recognised, not repeated); asking
+the model instead, even with the prompt, would make a new decision with new ids. So the
+resume stays pending through every replayed step, and the prompt reaches the model at the
+first real call after them, with the state that the replayed steps rebuilt: under
+``checkpoint_density="milestones"`` (every decision recorded, a resume starting from an
+early checkpoint) that is the call after the last recorded decision; under ``every_step``
+and ``tool_boundary`` usually the first decision after the resume.
 
 A model call that fails (no answer at all) follows the :class:`ModelPolicy`: a few attempts
 with backoff, then the next fallback model. When every model failed the error propagates and
@@ -228,6 +239,12 @@ class ThinkNode:
             return None  # this resume was already handled by an earlier decision
         return marker
 
+    @staticmethod
+    def _handled(marker: Mapping[str, Any] | None, asked: bool) -> dict[str, Any]:
+        # The resume is handled once the model was called with its context; a replayed
+        # decision leaves it pending for the next real call of this run.
+        return {"resumed_seq": marker.get("seq")} if marker is not None and asked else {}
+
     def _resume_prompt(
         self,
         ctx: RunContext,
@@ -324,22 +341,22 @@ class ThinkNode:
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
         try:
-            if marker is not None:
-                ledger = self.checkpointer.ledger(ctx.thread_id)
-                extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
-                if self.resume.acknowledge:
-                    ack = self._call(ctx, state, [*messages, *extra], config, events)
-                    extra += self._acknowledged(ctx, ack, events)
             recorded = (
                 self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, messages_digest(messages))
                 if self._may_replay(ctx, marker)
                 else None
             )
             if recorded is not None:
-                ai = load_message(recorded)
+                ai = load_message(recorded)  # the resume context waits for a real call
             else:
+                if marker is not None:
+                    ledger = self.checkpointer.ledger(ctx.thread_id)
+                    extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
+                    if self.resume.acknowledge:
+                        ack = self._call(ctx, state, [*messages, *extra], config, events)
+                        extra += self._acknowledged(ctx, ack, events)
                 ai = self._call(ctx, state, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+            flow = self._handled(marker, recorded is None)
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
@@ -384,12 +401,6 @@ class ThinkNode:
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
         try:
-            if marker is not None:
-                ledger = await self.checkpointer.aledger(ctx.thread_id)
-                extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
-                if self.resume.acknowledge:
-                    ack = await self._acall(ctx, state, [*messages, *extra], config, events)
-                    extra += self._acknowledged(ctx, ack, events)
             recorded = (
                 await self.checkpointer.adecision(
                     ctx.thread_id, ctx.graph_ns, messages_digest(messages)
@@ -398,10 +409,16 @@ class ThinkNode:
                 else None
             )
             if recorded is not None:
-                ai = load_message(recorded)
+                ai = load_message(recorded)  # the resume context waits for a real call
             else:
+                if marker is not None:
+                    ledger = await self.checkpointer.aledger(ctx.thread_id)
+                    extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
+                    if self.resume.acknowledge:
+                        ack = await self._acall(ctx, state, [*messages, *extra], config, events)
+                        extra += self._acknowledged(ctx, ack, events)
                 ai = await self._acall(ctx, state, [*messages, *extra], config, events)
-            flow: dict[str, Any] = {"resumed_seq": marker.get("seq")} if marker else {}
+            flow = self._handled(marker, recorded is None)
             if milestones:
                 flow["milestones"] = milestones
             return self._finish(ctx, ai, recorded is not None, events, dangling, flow)

@@ -6,6 +6,11 @@ data) from the graph state and the ledger; :func:`build_resume_prompt` writes th
 chosen language within a size budget. Exact facts are never cut: every uncertain effect, the
 pending steps and the latest observation stay; committed effects come next (newest first),
 and the trajectory is summarised from the oldest end when the budget runs short.
+
+Every finished step counts, including those the memory window folded out of the messages:
+the ones it still lists (``memory["earlier"]``) are named like the others, the ones it only
+counts (``memory["folded_done"]``, by tool) join the summary line of the oldest steps. The
+step count is exact; only names beyond the budget are summarised (per tool).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.prompts.templates import TEMPLATES, Language
 from taskpilots_graph.state import StepRecord
+from taskpilots_graph.window import folded_done
 
 __all__ = ["DEFAULT_MAX_CHARS", "ResumeFacts", "build_resume_prompt", "resume_facts"]
 
@@ -48,6 +54,9 @@ class ResumeFacts:
     blockers: list[str] = field(default_factory=list)
     observation: str = ""
     refreshed: dict[str, str] = field(default_factory=dict)
+    folded: dict[str, int] = field(default_factory=dict)
+    """Finished steps before ``done``, known by tool and count only (the memory window kept
+    no more of them): they are counted and come first in the numbering."""
 
 
 def resume_facts(
@@ -61,7 +70,13 @@ def resume_facts(
     steps: Mapping[str, StepRecord] = state.get("steps") or {}
     flow = state.get("flow") or {}
     human = next((m for m in reversed(messages) if isinstance(m, HumanMessage)), None)
+    memory = state.get("memory")
+    # Oldest first: the steps the window only counts, those it lists, those still in view.
     done = [
+        (s["tool"], _short(s["args"]), _short(s["result"]))
+        for s in (memory or {}).get("earlier", [])
+        if s.get("status") == "ok"
+    ] + [
         (
             str(r.get("using") or r.get("tool")),
             _short(r.get("args") or {}),
@@ -91,6 +106,7 @@ def resume_facts(
         blockers=blockers,
         observation=_short(observation.content, 400) if observation is not None else "",
         refreshed={k: _short(v) for k, v in (refreshed or {}).items()},
+        folded={tool: n for tool, n in folded_done(memory).items() if n > 0},
     )
 
 
@@ -114,11 +130,13 @@ def build_resume_prompt(
         acknowledge: Ask the model to restate the state and its next action first.
     """
     t = TEMPLATES[language]
-    pending = t["pending"].format(number=len(facts.done) + 1) if facts.todo else ""
+    folded = sum(facts.folded.values())
+    finished = folded + len(facts.done)
+    pending = t["pending"].format(number=finished + 1) if facts.todo else ""
     head = [
         t["header"],
         t["goal"].format(goal=facts.goal),
-        t["progress"].format(done=len(facts.done), pending=pending),
+        t["progress"].format(done=finished, pending=pending),
     ]
     # Exact facts: always kept.
     exact: list[str] = []
@@ -154,17 +172,21 @@ def build_resume_prompt(
     committed_block = [t["committed_title"], *committed] if committed else []
     budget -= size(committed_block) if committed_block else 0
     done_lines = [
-        t["done_item"].format(number=i + 1, tool=tool, inputs=inputs, output=output)
+        t["done_item"].format(number=folded + i + 1, tool=tool, inputs=inputs, output=output)
         for i, (tool, inputs, output) in enumerate(facts.done)
     ]
+    # The steps known only by count always take the summary line, with the oldest listed
+    # steps that do not fit.
     done = list(
         reversed(
             _fit(
                 list(reversed(done_lines)),
                 budget - len(t["done_title"]) - 1,
                 lambda n: t["done_more"].format(
-                    count=n, tools=_counts([d[0] for d in facts.done[:n]])
+                    count=folded + n,
+                    tools=_counts([d[0] for d in facts.done[:n]], facts.folded),
                 ),
+                always=folded > 0,
             )
         )
     )
@@ -174,14 +196,18 @@ def build_resume_prompt(
     return "\n".join([*head, *done_block, *committed_block, *exact, *tail])
 
 
-def _counts(tools: Sequence[str]) -> str:
-    return ", ".join(f"{tool} x{n}" for tool, n in Counter(tools).most_common(6))
+def _counts(tools: Sequence[str], counted: Mapping[str, int] | None = None) -> str:
+    tally = Counter(counted or {})
+    tally.update(tools)
+    return ", ".join(f"{tool} x{n}" for tool, n in tally.most_common(6))
 
 
-def _fit(lines: list[str], budget: int, more: Any) -> list[str]:
+def _fit(lines: list[str], budget: int, more: Any, *, always: bool = False) -> list[str]:
     """The first lines that fit ``budget``, plus a line summarising the rest if it fits too.
 
-    Never more than ``budget`` characters (newlines counted): lines are dropped, never cut.
+    With ``always`` the summary line is written even when every line fits (it then
+    summarises what ``more`` knows beyond ``lines``). Never more than ``budget`` characters
+    (newlines counted): lines are dropped, never cut.
     """
     kept: list[str] = []
     used = 0
@@ -191,7 +217,8 @@ def _fit(lines: list[str], budget: int, more: Any) -> list[str]:
         kept.append(line)
         used += len(line) + 1
     else:
-        return kept
+        if not always:
+            return kept
     # Make room for the summary of what was left out, dropping kept lines if needed.
     while True:
         summary = more(len(lines) - len(kept))
