@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from taskpilots_graph import __version__
 from taskpilots_graph.errors import TaskPilotsError
 
 __all__ = ["main"]
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"taskpilots-graph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sup = sub.add_parser("supervise", help="resume threads whose worker died or whose wait is over")
     _common(sup)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -122,27 +123,38 @@ def classify_sqlstate(sqlstate: str) -> FailureKind:
     return _SQLSTATE_CLASS.get(sqlstate[:2], FailureKind.FATAL)
 
 
-def _optional_types(module: str, names: Iterable[str]) -> tuple[type[BaseException], ...]:
-    try:
-        mod = __import__(module, fromlist=list(names))
-    except ImportError:
-        return ()
-    return tuple(getattr(mod, n) for n in names if hasattr(mod, n))
+@dataclass(frozen=True, slots=True)
+class _Foreign:
+    """Exception types of an optional library, looked up only once that library is loaded.
+
+    An exception of a library nobody imported cannot have been raised, so classifying never
+    imports one (``import taskpilots_graph`` stays light; redis alone costs a quarter second).
+    """
+
+    module: str
+    names: tuple[str, ...]
+
+    def types(self) -> tuple[type[BaseException], ...]:
+        mod = sys.modules.get(self.module)
+        if mod is None:
+            return ()
+        found = (getattr(mod, name, None) for name in self.names)
+        return tuple(t for t in found if isinstance(t, type) and issubclass(t, BaseException))
 
 
 # Ordered: the first matching row wins, so subclasses come before their bases.
-_TYPE_TABLE: tuple[tuple[tuple[type[BaseException], ...], FailureKind], ...] = (
+_TYPE_TABLE: tuple[tuple[tuple[type[BaseException], ...] | _Foreign, FailureKind], ...] = (
     ((SideEffectUncertain,), FailureKind.SIDE_EFFECT_UNCERTAIN),
     # A business lock that cannot be taken: the effect did not run; wait, then escalate.
     ((LockBackendUnavailable,), FailureKind.EXTERNAL_OUTAGE),
-    (_optional_types("httpx", ["TimeoutException"]), FailureKind.TRANSIENT),
-    (_optional_types("httpx", ["ConnectError"]), FailureKind.EXTERNAL_OUTAGE),
-    (_optional_types("httpx", ["NetworkError", "RemoteProtocolError"]), FailureKind.TRANSIENT),
-    (_optional_types("httpx", ["DecodingError"]), FailureKind.CONTRACT),
-    (_optional_types("requests", ["Timeout"]), FailureKind.TRANSIENT),
-    (_optional_types("requests", ["ConnectionError"]), FailureKind.EXTERNAL_OUTAGE),
-    (_optional_types("redis.exceptions", ["TimeoutError"]), FailureKind.TRANSIENT),
-    (_optional_types("redis.exceptions", ["ConnectionError"]), FailureKind.EXTERNAL_OUTAGE),
+    (_Foreign("httpx", ("TimeoutException",)), FailureKind.TRANSIENT),
+    (_Foreign("httpx", ("ConnectError",)), FailureKind.EXTERNAL_OUTAGE),
+    (_Foreign("httpx", ("NetworkError", "RemoteProtocolError")), FailureKind.TRANSIENT),
+    (_Foreign("httpx", ("DecodingError",)), FailureKind.CONTRACT),
+    (_Foreign("requests", ("Timeout",)), FailureKind.TRANSIENT),
+    (_Foreign("requests", ("ConnectionError",)), FailureKind.EXTERNAL_OUTAGE),
+    (_Foreign("redis.exceptions", ("TimeoutError",)), FailureKind.TRANSIENT),
+    (_Foreign("redis.exceptions", ("ConnectionError",)), FailureKind.EXTERNAL_OUTAGE),
     ((TimeoutError,), FailureKind.TRANSIENT),
     ((ConnectionRefusedError, socket.gaierror), FailureKind.EXTERNAL_OUTAGE),
     ((ConnectionResetError, ConnectionAbortedError, BrokenPipeError), FailureKind.TRANSIENT),
@@ -216,10 +228,7 @@ def classify(
     if kind is None and sqlstate is not None:
         kind = classify_sqlstate(sqlstate)
     if kind is None:
-        kind = next(
-            (k for types, k in _TYPE_TABLE if types and isinstance(exc, types)),
-            FailureKind.TRANSIENT,
-        )
+        kind = _by_type(exc)
     text = str(exc)
     return Failure(
         kind=kind,
@@ -229,6 +238,14 @@ def classify(
         status=status,
         sqlstate=sqlstate,
     )
+
+
+def _by_type(exc: BaseException) -> FailureKind:
+    for row, kind in _TYPE_TABLE:
+        types = row.types() if isinstance(row, _Foreign) else row
+        if types and isinstance(exc, types):
+            return kind
+    return FailureKind.TRANSIENT
 
 
 def _by_rules(exc: BaseException, rules: Iterable[Rule]) -> FailureKind | None:

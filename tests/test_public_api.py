@@ -62,6 +62,7 @@ def test_public_classes_and_functions_are_exported() -> None:
             "default_key",
             "next_step",
             "step_after_precheck",
+            "runner_of",
             "encode_payload",
             "event_from_row",
             "spec_of",

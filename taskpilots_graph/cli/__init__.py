@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from taskpilots_graph.cli._actions import register as _register_actions
@@ -32,6 +34,32 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from taskpilots_graph import __version__
+
+        typer.echo(f"taskpilots-graph {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the installed version and exit.",
+            callback=_print_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    # Only the options of the app itself; each command imports what it needs when it runs,
+    # so ``--help`` and ``--version`` load no LangGraph module.
+    pass
+
 
 _register_threads(app)
 _register_actions(app)
