@@ -50,7 +50,10 @@ __all__ = [
     "NoPendingTakeover",
     "PendingTakeover",
     "ResultDrifted",
+    "StorageBusy",
     "StorageError",
+    "StorageReadOnly",
+    "StorageUnavailable",
     "TaskPilotsError",
     "ThreadBusy",
     "ThreadNotFound",
@@ -85,6 +88,30 @@ class InvalidDecision(ConfigurationError):
 
 class StorageError(TaskPilotsError):
     """The recovery store could not complete an operation."""
+
+
+class _BackendError(StorageError):
+    """A storage failure of one backend during one operation (see the subclasses)."""
+
+    def __init__(self, message: str, *, backend: str, operation: str) -> None:
+        super().__init__(f"{backend} {operation}: {message}")
+        self.backend = backend
+        self.operation = operation
+
+
+class StorageUnavailable(_BackendError):
+    """The database cannot be reached, or the connection was lost (server down, restarted,
+    network). A write whose COMMIT may have reached the server is never reported as this
+    after the fact: it is ambiguous and is reconciled on the next read."""
+
+
+class StorageBusy(_BackendError):
+    """The database is held by another writer past the wait (SQLite's busy timeout, a
+    PostgreSQL lock timeout); retrying later may succeed."""
+
+
+class StorageReadOnly(_BackendError):
+    """The database can be read but not written (a read-only file or a standby server)."""
 
 
 class CorruptRecordError(StorageError):
