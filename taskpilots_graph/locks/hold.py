@@ -7,7 +7,10 @@
         held.check()               # before every side effect: raises LeaseLost if not ours
         crm.create(..., fencing=held.fencing)
 
-The heartbeat renews every ``ttl / 3`` in a daemon thread (sync) or a task (async). A
+The heartbeat renews every ``ttl / 3`` in a daemon thread (sync) or a task (async). The
+sync holder's thread is started only when its first renewal falls due: one shared timer
+thread per process waits for that moment, so the many holds that end sooner (a model step,
+a short run) cost no thread at all. A
 holder's validity is judged locally, from when each successful renewal was *sent* plus the
 TTL minus a drift margin, so ``check()`` answers without a round trip, and it turns false on
 time even if the heartbeat is stuck on a dead connection. A renewal refused by the backend
@@ -24,7 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import heapq
+import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -127,18 +133,98 @@ class _Holding:
         _log.warning("could not release lease %r (it expires by itself): %s", self.name, exc)
 
 
+class _FirstBeats:
+    """One daemon thread per process that starts each hold's heartbeat thread when due.
+
+    A hold is scheduled at its acquisition for ``interval`` later, the moment its first
+    renewal is due; its own thread is started then, and renews at once. A hold that ends
+    before is dropped from the schedule and never gets a thread. Renewals never run on this
+    thread, so a renewal stuck on one backend cannot delay another hold's.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, Hold]] = []
+        self._order = itertools.count()
+        self._pid: int | None = None
+        self._ended = 0
+
+    def forked(self) -> None:
+        """In a forked child: the timer thread and the parent's holds stayed behind, and the
+        lock may have been copied while held."""
+        self._cond = threading.Condition(threading.Lock())
+        self._heap, self._ended, self._pid = [], 0, None
+
+    def add(self, held: Hold, due: float) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # first use, or a forked child: no thread runs here
+                self._heap, self._ended, self._pid = [], 0, os.getpid()
+                threading.Thread(
+                    target=self._run, name="taskpilots-lease-timer", daemon=True
+                ).start()
+            heapq.heappush(self._heap, (due, next(self._order), held))
+            if self._heap[0][2] is held:
+                self._cond.notify()
+
+    def ended(self) -> None:
+        """A scheduled hold ended before its first beat: drop such entries now and then."""
+        with self._cond:
+            self._ended += 1
+            if self._ended > 64 and 2 * self._ended > len(self._heap):
+                self._heap = [item for item in self._heap if not item[2].released]
+                heapq.heapify(self._heap)
+                self._ended = 0
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            with self._cond:
+                if self._pid != pid:
+                    return
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                _, _, held = heapq.heappop(self._heap)
+            try:
+                held._start_beating()
+            except Exception:  # e.g. no thread left: that lease lapses, LeaseLost says so
+                _log.exception("could not start the heartbeat of lease %r", held.name)
+
+
+_first_beats: Final = _FirstBeats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_first_beats.forked)
+
+
 class Hold(_Holding):
     """A lease held by :func:`hold`, renewed by a background thread until the block exits."""
 
     def __init__(self, backend: LeaseBackend, status: HoldStatus, interval: float) -> None:
         super().__init__(backend, status, interval)
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beat, name=f"taskpilots-lease:{self.name}", daemon=True
-        )
+        self._thread: threading.Thread | None = None  # made when the first renewal is due
+        # Orders the start of the heartbeat thread against the end of the hold.
+        self._start_lock = threading.Lock()
+
+    def _schedule(self) -> None:
+        """Start beating once the first renewal is due (see :class:`_FirstBeats`)."""
+        _first_beats.add(self, time.monotonic() + self.interval)
+
+    def _start_beating(self) -> None:
+        with self._start_lock:
+            if self.released or self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._beat, name=f"taskpilots-lease:{self.name}", daemon=True
+            )
+            self._thread.start()
 
     def _beat(self) -> None:
-        delay = self.interval
+        delay = 0.0  # started when the first renewal is due
         while not self._stop.wait(delay):
             sent_at = time.monotonic()
             result: Lease | BaseException
@@ -151,9 +237,14 @@ class Hold(_Holding):
             delay = self._status.next_beat(self.interval)
 
     def _finish(self) -> None:
-        self.released = True
+        with self._start_lock:
+            self.released = True
+            beating = self._thread
         self._stop.set()
-        self._thread.join()  # a renewal in flight ends before the release below
+        if beating is not None:
+            beating.join()  # a renewal in flight ends before the release below
+        else:
+            _first_beats.ended()
         try:
             self.backend.release(self._status.lease)
         except LockBackendUnavailable as exc:
@@ -295,7 +386,7 @@ def hold(
     interval = _interval(ttl, heartbeat)
     status = _acquire(backend, name, owner or new_owner(), ttl, wait, timeout)
     held = Hold(backend, status, interval)
-    held._thread.start()
+    held._schedule()
     try:
         yield held
     finally:

@@ -1,10 +1,17 @@
 """Leases in a SQLite file: embedded mode, several processes on one machine.
 
 The same table as on PostgreSQL (``taskpilots_leases``) plus a one-row fencing counter,
-usually in the checkpointer's own file. Every call opens its own connection and runs in a
-``BEGIN IMMEDIATE`` transaction: SQLite admits one writer per file, so the read of the row
-and the write that follows can never interleave with another process's. The decision in
-between is the shared pure core (:func:`~taskpilots_graph.locks.base.grant` and friends).
+usually in the checkpointer's own file. Every call runs in a ``BEGIN IMMEDIATE``
+transaction: SQLite admits one writer per file, so the read of the row and the write that
+follows can never interleave with another process's. The decision in between is the shared
+pure core (:func:`~taskpilots_graph.locks.base.grant` and friends).
+
+Connections are kept between calls (a few idle ones per backend, taken by one call at a
+time): opening one and reading the schema cost more than the transaction itself. Nothing
+outlives a call but the connection: each transaction commits (``synchronous`` as the file's
+default, so a granted lease is on disk) or rolls back before the connection goes back, and a
+connection that failed is closed, not reused. A process forked with idle connections never
+uses (nor closes) the parent's: SQLite connections must not cross ``fork()``.
 
 Times are the library clock's (all processes share one machine, hence one clock). The async
 methods run the sync ones in a worker thread: SQLite calls block.
@@ -20,6 +27,7 @@ err toward waiting.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -56,6 +64,15 @@ _SET_FENCING: Final = """
 """
 _DELETE: Final = "DELETE FROM taskpilots_leases WHERE name = ? AND owner = ? AND fencing = ?"
 
+_JOURNAL_MODE: Final = "PRAGMA journal_mode"
+_SYNCHRONOUS: Final = "PRAGMA synchronous"
+
+_MAX_IDLE: Final = 4
+"""Idle connections a backend keeps (more callers at once open, then close, their own)."""
+
+_INHERITED: list[sqlite3.Connection] = []
+"""Connections a forked child found idle: never used nor closed there (see the docstring)."""
+
 
 class SqliteLeaseBackend(LeaseBackendBase):
     """Leases in a SQLite file, created (migrated) on first use like ``SqliteSaver``.
@@ -82,13 +99,59 @@ class SqliteLeaseBackend(LeaseBackendBase):
         self._clock = clock
         self._ready = False
         self._setup_lock = threading.Lock()
+        self._idle: list[sqlite3.Connection] = []
+        self._idle_pid = os.getpid()
+        self._idle_lock = threading.Lock()
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else _clock.now()
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: no implicit transactions, the BEGIN below is explicit.
-        return sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
+        # check_same_thread=False: a kept connection serves one call at a time, any thread.
+        return sqlite3.connect(
+            self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+        )
+
+    def _take(self) -> sqlite3.Connection:
+        with self._idle_lock:
+            if self._idle_pid != os.getpid():  # forked: the parent's connections stay its own
+                _INHERITED.extend(self._idle)
+                self._idle, self._idle_pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _give_back(self, conn: sqlite3.Connection) -> None:
+        with self._idle_lock:
+            if self._idle_pid == os.getpid() and len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """A connection for one call: kept for the next call if the call ended cleanly."""
+        conn = self._take()
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        if conn.in_transaction:  # never hand on an open transaction (not expected)
+            conn.close()
+        else:
+            self._give_back(conn)
+
+    def close(self) -> None:
+        """Close the idle connections (the backend opens new ones if used again)."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+            if self._idle_pid != os.getpid():
+                _INHERITED.extend(idle)
+                idle, self._idle_pid = [], os.getpid()
+        for conn in idle:
+            conn.close()
 
     def setup(self) -> None:
         """Apply the recovery store's migrations (leases included) to the file; idempotent."""
@@ -104,13 +167,32 @@ class SqliteLeaseBackend(LeaseBackendBase):
             self._ready = True
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One ``BEGIN IMMEDIATE`` transaction on a connection of its own."""
+    def _write(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One ``BEGIN IMMEDIATE`` transaction on a connection no other call is using.
+
+        ``durable=False`` (a release) skips the commit's fsync where that is safe: in WAL
+        mode with ``synchronous=NORMAL`` the commit is atomic and at once visible to every
+        process, and only an OS crash or power loss can undo it, together with the commits
+        after it and never an earlier one, so at worst the lease stays until its TTL (as
+        PostgreSQL's release, which has no durability switch). Outside WAL mode
+        ``NORMAL`` could corrupt the file on power loss: the commit is synced there.
+        """
         self.setup()
         try:
-            with closing(self._connect()) as conn:
+            with self._connection() as conn:
+                level = None
+                if not durable:  # settable outside a transaction only
+                    (level,) = conn.execute(_SYNCHRONOUS).fetchone()
+                    conn.execute(f"{_SYNCHRONOUS} = NORMAL")
                 conn.execute("BEGIN IMMEDIATE")
                 try:
+                    # Checked inside the write transaction, where the journal mode cannot
+                    # change any more: outside WAL mode, start again with the fsync.
+                    if level is not None and conn.execute(_JOURNAL_MODE).fetchone()[0] != "wal":
+                        conn.execute("ROLLBACK")
+                        conn.execute(f"{_SYNCHRONOUS} = {int(level)}")
+                        level = None
+                        conn.execute("BEGIN IMMEDIATE")
                     yield conn
                 except BaseException:
                     # SQLite may have rolled back already (e.g. disk full): don't mask the error.
@@ -118,6 +200,8 @@ class SqliteLeaseBackend(LeaseBackendBase):
                         conn.execute("ROLLBACK")
                     raise
                 conn.execute("COMMIT")
+                if level is not None:  # the connection is kept: the next call syncs again
+                    conn.execute(f"{_SYNCHRONOUS} = {int(level)}")
         except sqlite3.OperationalError as exc:  # locked too long, unreadable, disk full
             raise Unavailable("sqlite", f"{self.path}: {exc}") from exc
 
@@ -158,7 +242,7 @@ class SqliteLeaseBackend(LeaseBackendBase):
         return renewed
 
     def release(self, lease: Lease) -> bool:
-        with self._write() as conn:
+        with self._write(durable=False) as conn:
             if not same_holder(self._stored(conn, lease.name, self._now()), lease):
                 return False
             conn.execute(_DELETE, (lease.name, lease.owner, lease.fencing))
@@ -168,7 +252,7 @@ class SqliteLeaseBackend(LeaseBackendBase):
         self.setup()
         now = self._now()
         try:
-            with closing(self._connect()) as conn:
+            with self._connection() as conn:
                 return current_lease(self._stored(conn, name, now), now)
         except sqlite3.OperationalError as exc:
             raise Unavailable("sqlite", f"{self.path}: {exc}") from exc
