@@ -27,11 +27,15 @@ from taskpilots_graph.ledger import canonical_json
 
 __all__ = [
     "DRIFT_VALUE_CHARS",
+    "UNSERIALISABLE",
     "Comparator",
     "brief_value",
     "detect_drift",
     "difference",
+    "is_placeholder",
+    "placeholder",
     "result_digest",
+    "unserialisable",
 ]
 
 Comparator = Callable[[Any, Any], bool]
@@ -44,9 +48,72 @@ long once encoded; a longer one is kept as its truncated text."""
 _MAX_LINES = 20
 
 
+UNSERIALISABLE = "[result not serialisable: "
+"""How the text standing in for a result that cannot be serialised begins."""
+
+_PLACEHOLDER_TEXT_CHARS = 2048
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # an exception whose own message cannot be built
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def unserialisable(result: Any) -> str | None:
+    """Why ``result`` cannot be serialised at all, or ``None`` when it can.
+
+    "At all" means even with the text of values JSON cannot hold (:func:`canonical_json`):
+    a cyclic structure, an object whose ``str()`` raises, nesting too deep to encode. A
+    value that is merely not JSON (a ``datetime``, a model object) is serialisable.
+    """
+    if result is None or isinstance(result, str | int | float | bool):
+        return None  # the common answers need no trial encoding
+    try:
+        canonical_json(result)
+    except Exception as exc:  # RecursionError included
+        return _describe(exc)
+    return None
+
+
+def placeholder(result: Any, reason: str) -> str:
+    """The text kept (and shown to the model) instead of a result that cannot be serialised.
+
+    Faithful: it says the tool did return (its effect, if any, happened), that its result
+    could not be serialised and why, its type, and as much of its text as ``str()`` gives.
+    """
+    kind = type(result)
+    try:
+        text = str(result)
+    except Exception as exc:
+        shown = f"Its text is unavailable ({_describe(exc)})."
+    else:
+        if len(text) > _PLACEHOLDER_TEXT_CHARS:
+            text = text[:_PLACEHOLDER_TEXT_CHARS] + "…"
+        shown = f"Its text: {text}"
+    return (
+        f"{UNSERIALISABLE}{reason}] The tool returned a {kind.__module__}.{kind.__qualname__} "
+        f"that cannot be recorded; the call itself completed. {shown}"
+    )
+
+
+def is_placeholder(value: Any) -> bool:
+    """Whether ``value`` is a text made by :func:`placeholder`."""
+    return isinstance(value, str) and value.startswith(UNSERIALISABLE)
+
+
 def result_digest(result: Any) -> str:
-    """SHA-256 of a result's canonical JSON (text of values JSON cannot hold)."""
-    return hashlib.sha256(canonical_json(result).encode()).hexdigest()
+    """SHA-256 of a result's canonical JSON (text of values JSON cannot hold).
+
+    Never raises: a result that cannot be serialised is digested as its placeholder.
+    """
+    try:
+        text = canonical_json(result)
+    except Exception as exc:
+        text = canonical_json(placeholder(result, _describe(exc)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def brief_value(value: Any, limit: int = DRIFT_VALUE_CHARS) -> Any:
@@ -56,7 +123,10 @@ def brief_value(value: Any, limit: int = DRIFT_VALUE_CHARS) -> Any:
             return value
     except (TypeError, ValueError):
         pass
-    text = str(value)
+    try:
+        text = str(value)
+    except Exception as exc:
+        text = placeholder(value, _describe(exc))
     return text if len(text) <= limit else text[:limit] + "…"
 
 

@@ -6,7 +6,8 @@ can catch the whole family at once and still tell the cases apart by type::
     TaskPilotsError
     ├── ArtifactNotFound            no artifact is stored under the id (also LookupError)
     ├── ConfigurationError          a policy, connection string or setup mistake
-    │   └── InvalidDecision         a takeover decision that does not validate
+    │   ├── InvalidDecision         a takeover decision that does not validate
+    │   └── PrecheckError           a pre-check returned something else than Done/NotDone/Unknown
     ├── LeaseLost                   our lease expired or was taken: stop before the next effect
     ├── MutualWait                  sub-agents wait for each other's locks (reported STUCK)
     ├── StorageError                the recovery store cannot do what was asked
@@ -49,6 +50,7 @@ __all__ = [
     "MutualWait",
     "NoPendingTakeover",
     "PendingTakeover",
+    "PrecheckError",
     "ResultDrifted",
     "StorageBusy",
     "StorageError",
@@ -84,6 +86,30 @@ class ConfigurationError(TaskPilotsError, ValueError):
 
 class InvalidDecision(ConfigurationError):
     """A takeover decision is malformed; nothing was recorded or changed."""
+
+
+class PrecheckError(ConfigurationError):
+    """A tool's pre-check answered with something else than ``Done``, ``NotDone`` or
+    ``Unknown`` (``None``, a string, ...).
+
+    The pre-check is broken, so nothing can tell whether the effect happened: the ledger
+    fails closed (the entry is marked ``uncertain`` and a person decides; the tool is never
+    executed on such an answer), and this error names the tool and what was returned.
+    """
+
+    def __init__(self, tool: str, returned: Any) -> None:
+        try:
+            shown = repr(returned)
+        except Exception:  # a broken __repr__ must not hide the broken pre-check
+            shown = f"<{type(returned).__name__} object>"
+        if len(shown) > 200:
+            shown = shown[:200] + "…"
+        super().__init__(
+            f"the pre-check of {tool!r} returned {shown} ({type(returned).__name__}); "
+            "it must return tp.Done(...), tp.NotDone() or tp.Unknown(...)"
+        )
+        self.tool = tool
+        self.returned = shown
 
 
 class StorageError(TaskPilotsError):

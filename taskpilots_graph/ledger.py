@@ -36,6 +36,13 @@ parse the reply, with ``JSONDecodeError``, ``KeyError``, ``TypeError`` or a pyda
 * it is a connection error raised before any connection existed (``ConnectionRefusedError``,
   ``socket.gaierror``).
 
+A pre-check that raises, or runs longer than ``side_effect(precheck_timeout=...)`` (30 s by
+default), answers ``Unknown``; one that returns anything else than ``Done``, ``NotDone`` or
+``Unknown`` is broken (:class:`~taskpilots_graph.errors.PrecheckError`) and the effect is
+marked ``uncertain`` even for an idempotent tool. A result that cannot be serialised at all
+(a cyclic structure, an object whose ``str()`` raises) is committed as a placeholder text that
+says so, flagged ``extra["result_unserialisable"]`` (and ``result_reduced``).
+
 Arguments the tool's schema rejects were never handed to the body: not sent. Pure tools
 (no ``side_effect``) have no ledger entry and are retried as their policies say.
 
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -155,6 +163,9 @@ class SideEffectSpec:
         repeatable: A second call with the same arguments in one thread is a new effect
             (topping up a balance, say), so the repeat guard lets it run. Default: such a
             call returns the earlier call's recorded result instead of executing again.
+        precheck_timeout: Seconds the pre-check may take (default 30); past that its
+            answer is ``Unknown("pre-check timed out after N s")``, so a non-idempotent
+            effect goes to a person. ``None`` waits without limit.
     """
 
     precheck: Precheck | None = None
@@ -166,6 +177,7 @@ class SideEffectSpec:
     drift_comparator: Callable[[Any, Any], bool] | None = None
     not_sent: tuple[type[BaseException], ...] = ()
     repeatable: bool = False
+    precheck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         for name in ("precheck", "compensate", "key", "lock", "drift_comparator"):
@@ -188,6 +200,19 @@ class SideEffectSpec:
                 f"not_sent=(InvalidAddress,); got {not_sent!r}"
             )
         object.__setattr__(self, "not_sent", tuple(not_sent))
+        limit: object = self.precheck_timeout
+        if limit is not None:
+            if (
+                isinstance(limit, bool)
+                or not isinstance(limit, int | float)
+                or not math.isfinite(limit)
+                or limit <= 0
+            ):
+                raise ConfigurationError(
+                    "side_effect(precheck_timeout=...) must be a positive number of seconds "
+                    f"or None (no limit); got {limit!r}"
+                )
+            object.__setattr__(self, "precheck_timeout", float(limit))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from taskpilots_graph.drift import placeholder, unserialisable
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.ledger import Compensate, KeyFn, LockFn, Precheck, SideEffectSpec
 
@@ -98,7 +99,7 @@ class SideEffectTool(BaseTool):
         run_manager: CallbackManagerForToolRun | None = None,
         **kwargs: Any,
     ) -> Any:
-        return self.tool.invoke(args[0] if args else kwargs, config=config)
+        return _recordable(self.tool.invoke(args[0] if args else kwargs, config=config))
 
     async def _arun(
         self,
@@ -107,7 +108,18 @@ class SideEffectTool(BaseTool):
         run_manager: AsyncCallbackManagerForToolRun | None = None,
         **kwargs: Any,
     ) -> Any:
-        return await self.tool.ainvoke(args[0] if args else kwargs, config=config)
+        return _recordable(await self.tool.ainvoke(args[0] if args else kwargs, config=config))
+
+
+def _recordable(result: Any) -> Any:
+    """A result that cannot be serialised at all, as its placeholder text.
+
+    Run by the tool node (the middleware form), whose message would otherwise fail (an
+    object whose ``str()`` raises) or hide the problem: the effect happened, so its answer
+    must become a message and a commit, flagged like the executor's.
+    """
+    why = unserialisable(result)
+    return result if why is None else placeholder(result, why)
 
 
 def check_args(tool: BaseTool, args: Mapping[str, Any]) -> None:
@@ -155,6 +167,7 @@ def side_effect(
     drift_comparator: Callable[[Any, Any], bool] | None = ...,
     not_sent: tuple[type[BaseException], ...] = ...,
     repeatable: bool = ...,
+    precheck_timeout: float | None = ...,
 ) -> SideEffectTool: ...
 
 
@@ -171,6 +184,7 @@ def side_effect(
     drift_comparator: Callable[[Any, Any], bool] | None = ...,
     not_sent: tuple[type[BaseException], ...] = ...,
     repeatable: bool = ...,
+    precheck_timeout: float | None = ...,
 ) -> Callable[[BaseTool], SideEffectTool]: ...
 
 
@@ -186,6 +200,7 @@ def side_effect(
     drift_comparator: Callable[[Any, Any], bool] | None = None,
     not_sent: tuple[type[BaseException], ...] = (),
     repeatable: bool = False,
+    precheck_timeout: float | None = 30.0,
 ) -> SideEffectTool | Callable[[BaseTool], SideEffectTool]:
     """Declare a LangChain tool as side-effecting, so the executor runs it through the ledger.
 
@@ -232,6 +247,13 @@ def side_effect(
             meant as a second effect. By default such a call (a model that re-plans an
             effect it lost sight of) is not executed: the model gets the earlier result
             with the note "already done at step N".
+        precheck_timeout: The longest the pre-check may take, in seconds (default 30;
+            ``None``: no limit). A pre-check still running then counts as
+            ``Unknown("pre-check timed out after N s")``: a non-idempotent effect goes to a
+            person and the run ends (its thread lease is released, so a supervisor or
+            another worker can take over). A synchronous pre-check runs in a daemon worker
+            thread for this; a hung one cannot be killed and keeps that thread until it
+            returns (its late answer is ignored). An async one is cancelled.
 
     Raises:
         ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is
@@ -247,6 +269,7 @@ def side_effect(
         drift_comparator=drift_comparator,
         not_sent=not_sent,
         repeatable=repeatable,
+        precheck_timeout=precheck_timeout,
     )
 
     def wrap(target: BaseTool) -> SideEffectTool:

@@ -24,12 +24,16 @@ from taskpilots_graph.drift import (
     Comparator,
     brief_value,
     detect_drift,
+    is_placeholder,
+    placeholder,
     result_digest,
+    unserialisable,
 )
 from taskpilots_graph.errors import (
     ConfigurationError,
     EffectInProgress,
     LedgerConflict,
+    PrecheckError,
     ResultDrifted,
 )
 from taskpilots_graph.events import EventKind
@@ -73,7 +77,14 @@ __all__ = [
     "repeat_note",
     "run_call",
     "settle_orphan",
+    "stand_in",
 ]
+
+UNSERIALISABLE_FLAG = "result_unserialisable"
+"""Flag in ``LedgerEntry.extra``: the tool returned a value that cannot be serialised at all
+(a cyclic structure, an object whose ``str()`` raises); the entry's result is a placeholder
+text saying so and why (:func:`taskpilots_graph.drift.placeholder`). ``result_reduced`` is
+set too."""
 
 SUMMARY_CHARS = 2048
 """Raw responses and errors are truncated to this many characters in events."""
@@ -268,7 +279,8 @@ def recordable(result: Any) -> tuple[Any, bool]:
 
     A value the store accepts as it is (JSON, at most :data:`MAX_RESULT_BYTES` once encoded
     the way the store encodes it) is kept; anything else is kept as its text, cut until its
-    encoding fits: the effect happened and must be committed whatever the tool returned.
+    encoding fits: the effect happened and must be committed whatever the tool returned. A
+    value that has no text either (cyclic, ``str()`` raises) is kept as its placeholder.
     """
     try:
         dump_json(result, what="result")
@@ -276,11 +288,34 @@ def recordable(result: Any) -> tuple[Any, bool]:
         pass
     else:
         return result, False
-    text = str(result)
+    text = stand_in(result)
+    if not isinstance(text, str):
+        try:
+            text = str(text)
+        except Exception as exc:
+            text = placeholder(result, f"{type(exc).__name__} from str()")
     while len(encoded := dump_json_unchecked(text)) > MAX_RESULT_BYTES:
         # Escapes make the encoding longer than the text: keep the share that fits.
         text = text[: max(0, len(text) * MAX_RESULT_BYTES // len(encoded) - 1)]
     return text, True
+
+
+def stand_in(result: Any) -> Any:
+    """``result`` itself, or its placeholder text when it cannot be serialised at all.
+
+    Applied to a tool's result as soon as the tool returns, so that the ledger, the events,
+    the drift digest and the model's message all carry the same faithful text instead of
+    failing (after the effect happened) on a value nothing can encode.
+    """
+    why = unserialisable(result)
+    return result if why is None else placeholder(result, why)
+
+
+def _result_extra(extra: Mapping[str, Any], recorded: Any, reduced: bool) -> Mapping[str, Any]:
+    """The entry's ``extra`` for a recorded result: flagged when it had to be reduced."""
+    if is_placeholder(recorded):
+        return {**extra, "result_reduced": True, UNSERIALISABLE_FLAG: True}
+    return {**extra, "result_reduced": True} if reduced else extra
 
 
 def _brief(value: Any) -> Any:
@@ -471,6 +506,7 @@ def _pure_call(ctx: CallContext) -> Protocol:
         failure = classify(exc, ctx.rules)
         yield WriteEvent(_failed_event(ctx, failure, may_have_reached_service(exc), attempt))
         return CallOutcome(error=exc, failure=failure)
+    result = stand_in(result)
     success = _success(ctx, result)
     yield WriteEvent(_event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **success))
     return (yield from _compared(ctx, result, recordable(result)[0]))
@@ -479,7 +515,16 @@ def _pure_call(ctx: CallContext) -> Protocol:
 def _success(ctx: CallContext, result: Any) -> dict[str, Any]:
     """The payload of a ``tool_succeeded`` event: a summary, and a digest of the whole
     result so that a later run of the same call can tell whether it drifted."""
-    payload = {"result": _truncate(str(result), RESULT_CHARS), "digest": result_digest(result)}
+    try:
+        text = str(result)
+    except Exception as exc:  # e.g. a member whose repr() raises, though JSON could hold it
+        text = placeholder(result, f"{type(exc).__name__} from str()")
+    payload: dict[str, Any] = {
+        "result": _truncate(text, RESULT_CHARS),
+        "digest": result_digest(result),
+    }
+    if is_placeholder(result):
+        payload[UNSERIALISABLE_FLAG] = True
     if ctx.keeps_value:
         payload["value"] = brief_value(result)
     return payload
@@ -503,17 +548,22 @@ def _compared(ctx: CallContext, result: Any, recorded: Any) -> Protocol:
     return CallOutcome(error=exc, failure=classify(exc))
 
 
-def _ask_precheck(ctx: CallContext) -> Generator[Request, Any, PrecheckOutcome | None]:
-    """The pre-check's answer about the call's key (``None``: the tool has none)."""
+def _ask_precheck(
+    ctx: CallContext,
+) -> Generator[Request, Any, PrecheckOutcome | PrecheckError | None]:
+    """The pre-check's answer about the call's key (``None``: the tool has none).
+
+    An answer that is none of ``Done``, ``NotDone``, ``Unknown`` (``None``, a string, ...)
+    comes back as a :class:`~taskpilots_graph.errors.PrecheckError` naming the tool and
+    what was returned: a broken pre-check tells nothing, so the callers fail closed (the
+    entry goes ``uncertain``, to a person), whatever the tool declares, and never execute.
+    """
     assert ctx.spec is not None
     if ctx.spec.precheck is None:
         return None
     outcome = yield RunPrecheck(ctx.key, dict(ctx.args))
     if not isinstance(outcome, Done | NotDone | Unknown):
-        raise TypeError(
-            f"pre-check of {ctx.tool!r} returned {outcome!r}; return tp.Done(...), "
-            "tp.NotDone() or tp.Unknown()"
-        )
+        return PrecheckError(ctx.tool, outcome)
     return outcome
 
 
@@ -521,17 +571,18 @@ def _commit_found(ctx: CallContext, entry: LedgerEntry, found: Done) -> Protocol
     """Commit an effect the pre-check found performed, with its proof; nothing runs."""
     result, reduced = recordable(found.result)
     proof, proof_reduced = recordable(found.proof)
+    extra: dict[str, Any] = {
+        **entry.extra,
+        "reconciled": "precheck_done",
+        "result_reduced": reduced or proof_reduced,
+    }
     done = replace(
         entry,
         status=LedgerStatus.COMMITTED,
         result=result,
         proof=proof,
         updated_at=_now(),
-        extra={
-            **entry.extra,
-            "reconciled": "precheck_done",
-            "result_reduced": reduced or proof_reduced,
-        },
+        extra=_result_extra(extra, result, False),
     )
     event = _event(ctx, EventKind.EFFECT_RECONCILED, outcome="done", proof=_brief(proof))
     yield WriteEntry(done, (entry.status, entry.attempt), event)
@@ -539,12 +590,19 @@ def _commit_found(ctx: CallContext, entry: LedgerEntry, found: Done) -> Protocol
 
 
 def _mark_uncertain(
-    ctx: CallContext, entry: LedgerEntry, why: str, outcome: PrecheckOutcome | None
+    ctx: CallContext,
+    entry: LedgerEntry,
+    why: str,
+    outcome: PrecheckOutcome | PrecheckError | None,
 ) -> Generator[Request, Any, str]:
     """Mark an effect nobody can confirm ``uncertain``; returns the reason (for a person)."""
-    reason = why + (
-        "; the pre-check could not tell" if outcome is not None else "; it has no pre-check"
-    )
+    if outcome is None:
+        reason = why + "; it has no pre-check"
+    elif isinstance(outcome, PrecheckError):
+        reason = f"{why}; the pre-check is broken ({type(outcome).__name__}: {outcome})"
+    else:
+        told = outcome.reason if isinstance(outcome, Unknown) else ""
+        reason = why + "; the pre-check could not tell" + (f" ({told})" if told else "")
     marked = replace(entry, status=LedgerStatus.UNCERTAIN, updated_at=_now())
     yield WriteEntry(
         marked,
@@ -565,6 +623,8 @@ def _reconcile(
     """
     assert ctx.spec is not None
     outcome = yield from _ask_precheck(ctx)
+    if isinstance(outcome, PrecheckError):
+        raise _uncertain(ctx, (yield from _mark_uncertain(ctx, entry, why, outcome))) from outcome
     if isinstance(outcome, Done):
         return (yield from _commit_found(ctx, entry, outcome))
     if step_after_precheck(outcome, ctx.spec) is Step.ESCALATE:
@@ -590,7 +650,10 @@ def settle_orphan(ctx: CallContext, entry: LedgerEntry) -> Generator[Request, An
     if isinstance(outcome, Done):
         yield from _commit_found(ctx, entry, outcome)
         return "done"
-    if step_after_precheck(outcome, ctx.spec) is Step.ESCALATE:
+    if (
+        isinstance(outcome, PrecheckError)
+        or step_after_precheck(outcome, ctx.spec) is Step.ESCALATE
+    ):
         yield from _mark_uncertain(
             ctx, entry, "the run stopped before recording the outcome", outcome
         )
@@ -664,13 +727,16 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         raise
     except Exception as exc:
         return (yield from _failed(ctx, intended, exc))
+    # Whatever came back, the effect happened: a value nothing can encode is committed as
+    # its placeholder (flagged), never left ``intended`` by a failing encoder.
+    result = stand_in(result)
     recorded, reduced = recordable(result)
     committed = replace(
         intended,
         status=LedgerStatus.COMMITTED,
         result=recorded,
         updated_at=_now(),
-        extra={**intended.extra, "result_reduced": reduced} if reduced else intended.extra,
+        extra=_result_extra(intended.extra, recorded, reduced),
     )
     succeeded = _event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **_success(ctx, result))
     try:
