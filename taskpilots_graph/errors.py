@@ -16,6 +16,9 @@ can catch the whole family at once and still tell the cases apart by type::
     │   ├── LedgerConflict          another run moved the same ledger entry first
     │   ├── LockBackendUnavailable  the lease/lock store is unreachable: fail closed
     │   ├── MigrationError          the schema is newer than this library, or half-applied
+    │   ├── StorageBusy             another writer holds the database past the wait
+    │   ├── StorageReadOnly         the database can be read, not written
+    │   ├── StorageUnavailable      the database cannot be reached, or the connection was lost
     │   └── UnsupportedOperation    the wrapped saver lacks the operation (also NotImplementedError)
     ├── PendingTakeover             the thread waits on a person's decision
     ├── ResultDrifted               a high-risk call answered differently than before
