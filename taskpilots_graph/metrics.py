@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -51,8 +51,10 @@ from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
 from taskpilots_graph.threads import (
     THREAD_STATUSES,
     ThreadStatus,
+    _listed,
+    aevents_for_listing,
     ascan_thread_ids,
-    describe_thread,
+    events_for_listing,
     recovery_api,
     root_config,
     scan_thread_ids,
@@ -241,6 +243,7 @@ class RecoveryMetrics:
     uncertain_effects: int = 0
     repeats_caught: int = 0  # committed effects asked for again, answered without executing
     unreconciled_intents: int = 0  # ledger entries left ``intended`` (not paused on a person)
+    corrupt_events: tuple[str, ...] = ()  # event rows skipped as undecodable (``thread#seq``)
     since: datetime | None = None
     computed_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -265,7 +268,11 @@ class RecoveryMetrics:
         return self.takeover.per_100_runs
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form; undefined ratios are ``None``, times ISO 8601."""
+        """JSON-serialisable form; undefined ratios are ``None``, times ISO 8601.
+
+        ``corrupt_events`` (the keys of event rows skipped as undecodable) is present only
+        when there are some.
+        """
         tools = {t.tool: {k: v for k, v in _plain(t).items() if k != "tool"} for t in self.tools}
         return {
             # The four headline figures first, flat, for dashboards and tables.
@@ -292,6 +299,8 @@ class RecoveryMetrics:
             },
             "since": self.since.isoformat() if self.since else None,
             "computed_at": self.computed_at.isoformat(),
+            # Only when event rows were skipped as undecodable: a warning, not a figure.
+            **({"corrupt_events": list(self.corrupt_events)} if self.corrupt_events else {}),
         }
 
     def to_prometheus(self) -> str:
@@ -833,7 +842,9 @@ def recovery_metrics(
     """The recovery metrics of the store's runs (or of the runs named).
 
     Without ``thread_ids`` the runs are the threads found by a scan of
-    ``checkpointer.list(None)`` plus the threads with ledger entries.
+    ``checkpointer.list(None)`` plus the threads with ledger entries. An event row that
+    cannot be decoded is skipped and reported in ``corrupt_events`` (and logged): one bad
+    row never fails the metrics of the whole store.
 
     Example:
         >>> m = tp.recovery_metrics(cp)  # doctest: +SKIP
@@ -851,13 +862,16 @@ def recovery_metrics(
         ids = list(dict.fromkeys([*scan_thread_ids(cp), *(e.thread_id for e in ledger)]))
     logs: dict[str, list[Event]] = {}
     statuses: dict[str, ThreadStatus] = {}
+    corrupt: list[str] = []
     for thread_id in ids:
-        logs[thread_id] = cp.events(thread_id)
+        logs[thread_id], skipped = events_for_listing(cp, thread_id)
         found = cp.get_tuple(root_config(thread_id))
-        statuses[thread_id] = describe_thread(
-            thread_id, found, logs[thread_id], _own(ledger, thread_id)
+        statuses[thread_id] = _listed(
+            thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
         ).status
-    return compute_metrics(logs, ledger, statuses=statuses, since=start)
+        corrupt.extend(skipped)
+    result = compute_metrics(logs, ledger, statuses=statuses, since=start)
+    return replace(result, corrupt_events=tuple(corrupt)) if corrupt else result
 
 
 async def arecovery_metrics(
@@ -876,10 +890,13 @@ async def arecovery_metrics(
         ids = list(dict.fromkeys([*await ascan_thread_ids(cp), *(e.thread_id for e in ledger)]))
     logs: dict[str, list[Event]] = {}
     statuses: dict[str, ThreadStatus] = {}
+    corrupt: list[str] = []
     for thread_id in ids:
-        logs[thread_id] = await cp.aevents(thread_id)
+        logs[thread_id], skipped = await aevents_for_listing(cp, thread_id)
         found = await cp.aget_tuple(root_config(thread_id))
-        statuses[thread_id] = describe_thread(
-            thread_id, found, logs[thread_id], _own(ledger, thread_id)
+        statuses[thread_id] = _listed(
+            thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
         ).status
-    return compute_metrics(logs, ledger, statuses=statuses, since=start)
+        corrupt.extend(skipped)
+    result = compute_metrics(logs, ledger, statuses=statuses, since=start)
+    return replace(result, corrupt_events=tuple(corrupt)) if corrupt else result

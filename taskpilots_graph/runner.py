@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph.agent import find_executor, lease_source
 from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers.base import check_thread_id
 from taskpilots_graph.errors import (
     ConfigurationError,
     InvalidDecision,
@@ -64,8 +65,7 @@ __all__ = [
 
 
 def _config(thread_id: str, config: RunnableConfig | None) -> RunnableConfig:
-    if not isinstance(thread_id, str) or not thread_id:
-        raise ConfigurationError("thread_id must be a non-empty string")
+    check_thread_id(thread_id)  # one rule on every backend, before anything is written
     base: dict[str, Any] = dict(config or {})
     base["configurable"] = {**base.get("configurable", {}), "thread_id": thread_id}
     return base  # type: ignore[return-value]

@@ -36,15 +36,17 @@ listed too; threads that have only events are found only when named in ``thread_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from typing import Any, Literal, cast
 
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
+from taskpilots_graph.checkpointers.base import skipping_corrupt_events
+from taskpilots_graph.errors import ConfigurationError, CorruptRecordError, ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
 from taskpilots_graph.state import FlowState, StepRecord, merge_flow, merge_steps
@@ -54,10 +56,12 @@ __all__ = [
     "OpenStep",
     "ThreadInfo",
     "ThreadStatus",
+    "aevents_for_listing",
     "alist_threads",
     "ascan_thread_ids",
     "athread_info",
     "describe_thread",
+    "events_for_listing",
     "list_threads",
     "recovery_api",
     "root_config",
@@ -77,6 +81,8 @@ THREAD_STATUSES: tuple[ThreadStatus, ...] = (
 )
 
 _INTERRUPT = "__interrupt__"
+_EVENTS_TABLE = "taskpilots_events"
+_log = logging.getLogger(__name__)
 _STAGE_STATUS: Mapping[str, ThreadStatus] = {
     "running": "running",
     "compensating": "running",
@@ -135,6 +141,9 @@ class ThreadInfo:
             paused on a person): an effect that may have happened and is not reconciled
             yet (``resume`` or new input reconciles it first).
         uncertain_effects: Of those, entries nobody could confirm: a person decides.
+        corrupt_events: Keys (``thread#seq``) of event rows that could not be decoded and
+            were left out (listings only: :func:`list_threads` skips and reports them
+            instead of failing the whole store; ``thread_info`` raises).
 
     The event counts are over the whole log, superseded events included. A thread with an
     intended or uncertain entry is never ``closed`` (nor ``failed``): ``running`` while an
@@ -161,6 +170,7 @@ class ThreadInfo:
     effects: int = 0
     intended_effects: int = 0
     uncertain_effects: int = 0
+    corrupt_events: tuple[str, ...] = ()
 
     @property
     def unsettled_effects(self) -> int:
@@ -421,31 +431,104 @@ async def ascan_thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
     return list(seen)
 
 
+def events_for_listing(cp: RecoveryAPI, thread_id: str) -> tuple[list[Event], tuple[str, ...]]:
+    """The thread's events for a listing, and the keys of corrupt rows left out.
+
+    One corrupt event row must not fail a listing of the whole store: it is skipped and
+    reported (and logged). Where the skip cannot reach the store (sync calls on an async
+    checkpointer) the thread's log is left out whole, reported the same way.
+    """
+    with skipping_corrupt_events() as skipped:
+        try:
+            events = cp.events(thread_id)
+        except CorruptRecordError as exc:
+            if exc.table != _EVENTS_TABLE:
+                raise
+            events, skipped = [], [exc]
+    return events, _reported(thread_id, skipped)
+
+
+async def aevents_for_listing(
+    cp: RecoveryAPI, thread_id: str
+) -> tuple[list[Event], tuple[str, ...]]:
+    """Async form of :func:`events_for_listing`."""
+    with skipping_corrupt_events() as skipped:
+        try:
+            events = await cp.aevents(thread_id)
+        except CorruptRecordError as exc:
+            if exc.table != _EVENTS_TABLE:
+                raise
+            events, skipped = [], [exc]
+    return events, _reported(thread_id, skipped)
+
+
+def _reported(thread_id: str, skipped: Sequence[CorruptRecordError]) -> tuple[str, ...]:
+    keys = tuple(exc.key for exc in skipped)
+    if keys:
+        _log.warning(
+            "thread %r: skipped %d corrupt event row(s) in a listing: %s",
+            thread_id,
+            len(keys),
+            "; ".join(str(exc) for exc in skipped),
+        )
+    return keys
+
+
+def _listed(
+    thread_id: str,
+    found: CheckpointTuple | None,
+    events: Sequence[Event],
+    ledger: Sequence[LedgerEntry],
+    corrupt: tuple[str, ...],
+) -> ThreadInfo:
+    if not corrupt:
+        return describe_thread(thread_id, found, events, ledger)
+    try:
+        info = describe_thread(thread_id, found, events, ledger)
+    except ThreadNotFound:  # its only events were corrupt: still listed, not hidden
+        info = ThreadInfo(thread_id=thread_id, status=status_from_events(()))
+    return replace(info, corrupt_events=corrupt)
+
+
 def list_threads(
     checkpointer: BaseCheckpointSaver[Any], *, thread_ids: Sequence[str] | None = None
 ) -> list[ThreadInfo]:
     """Describe every thread of the store (or the ones named), sorted by thread id.
 
-    Without ``thread_ids`` the ids come from a scan of ``checkpointer.list(None)``.
+    Without ``thread_ids`` the ids come from a scan of ``checkpointer.list(None)``. An event
+    row that cannot be decoded is skipped, logged and reported in the thread's
+    ``corrupt_events``: one bad row never fails the listing of the whole store.
 
     Raises:
         ThreadNotFound: If a named thread has neither a checkpoint nor an event.
     """
+    cp = recovery_api(checkpointer)
     if thread_ids is not None:
         ids = list(thread_ids)
     else:
-        ledger = recovery_api(checkpointer).ledger(None)
+        ledger = cp.ledger(None)
         ids = [*scan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
-    return [thread_info(checkpointer, t) for t in sorted(dict.fromkeys(ids))]
+    infos = []
+    for thread_id in sorted(dict.fromkeys(ids)):
+        found = cp.get_tuple(root_config(thread_id))
+        events, corrupt = events_for_listing(cp, thread_id)
+        infos.append(_listed(thread_id, found, events, cp.ledger(thread_id), corrupt))
+    return infos
 
 
 async def alist_threads(
     checkpointer: BaseCheckpointSaver[Any], *, thread_ids: Sequence[str] | None = None
 ) -> list[ThreadInfo]:
     """Async form of :func:`list_threads`."""
+    cp = recovery_api(checkpointer)
     if thread_ids is not None:
         ids = list(thread_ids)
     else:
-        ledger = await recovery_api(checkpointer).aledger(None)
+        ledger = await cp.aledger(None)
         ids = [*await ascan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
-    return [await athread_info(checkpointer, t) for t in sorted(dict.fromkeys(ids))]
+    infos = []
+    for thread_id in sorted(dict.fromkeys(ids)):
+        found = await cp.aget_tuple(root_config(thread_id))
+        events, corrupt = await aevents_for_listing(cp, thread_id)
+        infos.append(_listed(thread_id, found, events, await cp.aledger(thread_id), corrupt))
+    return infos

@@ -30,13 +30,11 @@ from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     RecoveryStore,
-    enable_wal,
     parse_conn_string,
-    sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import SqliteStore
+from taskpilots_graph.checkpointers.sqlite import SqliteStore, mapped_errors, open_sqlite
 from taskpilots_graph.errors import ConfigurationError
 
 __all__ = [
@@ -54,7 +52,7 @@ def _store_for(inner: BaseCheckpointSaver[Any]) -> RecoveryStore:
         return MemoryStore()
     if isinstance(inner, SqliteSaver):
         return SqliteStore(inner.conn, inner.lock)
-    if type(inner).__module__.startswith("langgraph.checkpoint.postgres"):
+    if any(c.__module__.startswith("langgraph.checkpoint.postgres") for c in type(inner).__mro__):
         from langgraph.checkpoint.postgres import PostgresSaver
 
         from taskpilots_graph.checkpointers.postgres import PostgresStore
@@ -112,6 +110,7 @@ class RecoveryCheckpointer(RecoveryAPI):
         *,
         pool_size: int = DEFAULT_POOL_SIZE,
         artifacts: ArtifactStore | None = None,
+        connect_timeout: float | None = None,
     ) -> Iterator[Self]:
         """Open a checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
 
@@ -122,30 +121,39 @@ class RecoveryCheckpointer(RecoveryAPI):
                 the recovery store.
             artifacts: Where artifacts go (e.g. ``FileArtifactStore(path)``); the same
                 database when omitted.
+            connect_timeout: Longest wait, in seconds, to open a PostgreSQL connection
+                (5 s when omitted; a ``connect_timeout`` in the URL wins). An unreachable
+                server, unknown database or role raises ``StorageUnavailable`` at once.
 
         Yields:
             A ready checkpointer; call :meth:`setup` once per database (SQLite and memory
-            also set themselves up lazily).
+            also set themselves up lazily). A SQLite file this process may not write opens
+            read-only: reads work, writes raise ``StorageReadOnly``.
+
+        Raises:
+            ConfigurationError: For a malformed connection string (a scheme typo never
+                becomes a file), a directory or a non-SQLite file as SQLite path, or a
+                parent path that is a file.
+            StorageUnavailable: PostgreSQL cannot be reached or refuses the session.
         """
         target = parse_conn_string(conn_string)
         if target.backend == "memory":
             yield cls(InMemorySaver(), artifacts=artifacts)
         elif target.backend == "sqlite":
-            conn = sqlite3.connect(
-                sqlite_path(target.address),
-                check_same_thread=False,
-                timeout=SQLITE_BUSY_TIMEOUT_S,
-            )
+            # Checks the path, switches the file to WAL; a read-only file opens read-only.
+            database, uri = open_sqlite(target.address)
+            with mapped_errors("open"):
+                conn = sqlite3.connect(
+                    database, uri=uri, check_same_thread=False, timeout=SQLITE_BUSY_TIMEOUT_S
+                )
             with closing(conn):
-                enable_wal(conn.execute)
                 yield cls(SqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
-            from langgraph.checkpoint.postgres import PostgresSaver
+            from taskpilots_graph.checkpointers._pg_connect import PooledPostgresSaver, open_pool
 
-            from taskpilots_graph.checkpointers._pg_connect import open_pool
-
-            with open_pool(target.address, pool_size) as pool:
-                yield cls(PostgresSaver(pool, serde=compressed_serde()), artifacts=artifacts)
+            with open_pool(target.address, pool_size, connect_timeout=connect_timeout) as pool:
+                saver = PooledPostgresSaver(pool, serde=compressed_serde())
+                yield cls(saver, artifacts=artifacts)
 
     def setup(self) -> None:
         """Create the saver's and the recovery store's tables (idempotent, concurrency-safe)."""

@@ -34,6 +34,7 @@ from taskpilots_graph.checkpointers.base import (
     DecisionRecord,
     EventRecord,
     PendingRecord,
+    check_thread_id,
     prepare_event,
 )
 from taskpilots_graph.checkpointers.density import CheckpointDensity, HeldCheckpoints
@@ -280,7 +281,9 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             LedgerConflict: If another run changed the entry first; nothing is written and
                 the deferred records keep waiting.
+            ConfigurationError: For a thread id no backend stores (nothing is written).
         """
+        check_thread_id(entry.thread_id)
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             written = cast(
@@ -300,6 +303,7 @@ class RecoveryAPI(DelegatingSaver):
         events: Sequence[EventRecord] = (),
     ) -> list[Event]:
         """Async form of :meth:`write_ledger`."""
+        check_thread_id(entry.thread_id)
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             written = cast(
@@ -338,6 +342,8 @@ class RecoveryAPI(DelegatingSaver):
 
     def defer_records(self, records: Sequence[PendingRecord]) -> None:
         """Keep events (or decisions) until the thread's next durable write."""
+        for record in records:
+            check_thread_id(record.thread_id)
         if records:
             with self._deferred_lock():
                 for record in records:
@@ -418,6 +424,7 @@ class RecoveryAPI(DelegatingSaver):
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Record a model decision durably; the first record for an input wins."""
+        check_thread_id(thread_id)
         record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
         self._call("append_events", [record])
         self._note_input(thread_id, checkpoint_ns, input_digest)
@@ -426,6 +433,7 @@ class RecoveryAPI(DelegatingSaver):
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
     ) -> None:
         """Async form of :meth:`record_decision`."""
+        check_thread_id(thread_id)
         record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
         await self._acall("append_events", [record])
         self._note_input(thread_id, checkpoint_ns, input_digest)
@@ -582,7 +590,7 @@ class RecoveryAPI(DelegatingSaver):
             ConfigurationError: For an empty thread id, data that is not bytes or text, or
                 a bad media type.
         """
-        artifact = prepare_artifact(thread_id, data, media_type)
+        artifact = prepare_artifact(check_thread_id(thread_id), data, media_type)
         self._artifacts_call("put_artifact", artifact)
         return artifact.ref
 
@@ -594,7 +602,7 @@ class RecoveryAPI(DelegatingSaver):
         media_type: str | None = None,
     ) -> ArtifactRef:
         """Async form of :meth:`put_artifact`."""
-        artifact = prepare_artifact(thread_id, data, media_type)
+        artifact = prepare_artifact(check_thread_id(thread_id), data, media_type)
         await self._artifacts_acall("put_artifact", artifact)
         return artifact.ref
 

@@ -1,16 +1,43 @@
-"""Connection pools for PostgreSQL, opened with the settings LangGraph's savers require."""
+"""Connection pools for PostgreSQL, opened with the settings LangGraph's savers require.
+
+Also where psycopg's failures become the library's typed storage errors (by exception class
+and SQLSTATE, never by message text), and where the pools heal themselves: a connection is
+checked on checkout, so a server restart between two calls costs no failed call at all.
+"""
 
 from __future__ import annotations
 
+import math
+import select
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, Final
 
+import psycopg
+from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-__all__ = ["CONNECTION_KWARGS", "PooledAsyncPostgresSaver", "open_async_pool", "open_pool"]
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    StorageBusy,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+)
+
+__all__ = [
+    "CONNECTION_KWARGS",
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "PooledAsyncPostgresSaver",
+    "PooledPostgresSaver",
+    "connection_lost",
+    "open_async_pool",
+    "open_pool",
+    "storage_error",
+]
 
 # The settings of LangGraph's own PostgresSaver.from_conn_string: setup() needs autocommit,
 # the saver reads rows as dicts, and prepare_threshold=0 prepares every statement on first
@@ -21,25 +48,338 @@ CONNECTION_KWARGS: Final[dict[str, Any]] = {
     "row_factory": dict_row,
 }
 
+DEFAULT_CONNECT_TIMEOUT_S: Final = 5.0
+"""Longest wait to open a PostgreSQL connection (a URL's own ``connect_timeout`` wins)."""
+
+_BACKEND: Final = "postgres"
+
+# SQLSTATEs meaning "the server is gone or refuses sessions": connection exceptions (class
+# 08), admin/crash shutdown and "the database system is starting up" (57P01-57P03), and
+# "too many connections" (53300).
+_UNAVAILABLE_PREFIXES: Final = ("08", "57P01", "57P02", "57P03", "53300")
+_READ_ONLY: Final = "25006"  # read_only_sql_transaction: a standby, or a read-only role
+_BUSY: Final = ("55P03", "40P01")  # lock_not_available (lock_timeout), deadlock_detected
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server or the connection went away (not a bad statement).
+
+    An ``OperationalError`` without a SQLSTATE is raised by libpq itself: the socket closed,
+    the connection attempt failed, or the pool ran out of time waiting for a connection.
+    """
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith(_UNAVAILABLE_PREFIXES)
+
+
+def storage_error(
+    exc: BaseException, operation: str, *, ambiguous: bool = False
+) -> StorageError | None:
+    """The typed error for a psycopg failure of ``operation``; ``None`` when it is not one.
+
+    Args:
+        exc: What psycopg (or psycopg_pool) raised.
+        operation: What the library was doing, named in the error.
+        ambiguous: The connection was lost while a write may have been committing: the
+            message says the outcome is unknown (the next read tells).
+    """
+    if isinstance(exc, PoolTimeout):
+        return StorageUnavailable(
+            f"no connection to the database in time ({exc})", backend=_BACKEND, operation=operation
+        )
+    if not isinstance(exc, psycopg.Error):
+        return None
+    state = exc.sqlstate or ""
+    if connection_lost(exc):
+        why = str(exc).strip() or type(exc).__name__
+        if ambiguous:
+            why += (
+                "; the write may or may not have been committed, it was not retried "
+                "(the next read of the ledger shows its outcome)"
+            )
+        return StorageUnavailable(why, backend=_BACKEND, operation=operation)
+    if state == _READ_ONLY:
+        return StorageReadOnly(str(exc).strip(), backend=_BACKEND, operation=operation)
+    if state in _BUSY:
+        return StorageBusy(str(exc).strip(), backend=_BACKEND, operation=operation)
+    return None
+
+
+def _readable(fd: int) -> bool:
+    """Whether the server wrote to an idle connection (a shutdown notice, or end of file)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _suspect(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a pooled connection may be dead: closed, or the server spoke while it idled.
+
+    An idle session receives nothing unless the server is going away (a restart sends
+    ``57P01`` and closes the socket; a crash closes it): a zero-wait poll of the socket finds
+    both without a round trip. Only a suspect connection pays for a real check.
+    """
+    if conn.closed:
+        return True
+    try:
+        return _readable(conn.fileno())
+    except (OSError, ValueError, psycopg.Error):
+        return True
+
+
+class _Check:
+    """The pools' ``check=``: a connection the server dropped is replaced, not handed out.
+
+    When one is found dead, every idle connection of the pool is checked at once: after a
+    restart they all are, and psycopg_pool would otherwise find them one checkout at a time,
+    waiting longer after each (1 s, 2 s, 4 s...).
+    """
+
+    def __init__(self) -> None:
+        self.pool: ConnectionPool[Any] | None = None
+
+    def __call__(self, conn: psycopg.Connection[Any]) -> None:
+        if not _suspect(conn):
+            return
+        try:
+            ConnectionPool.check_connection(conn)
+        except psycopg.Error:
+            if self.pool is not None:
+                self.pool.check()
+            raise
+
+
+class _ACheck:
+    """Async twin of :class:`_Check`."""
+
+    def __init__(self) -> None:
+        self.pool: AsyncConnectionPool[Any] | None = None
+
+    async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        if not _suspect(conn):
+            return
+        try:
+            await AsyncConnectionPool.check_connection(conn)
+        except psycopg.Error:
+            if self.pool is not None:
+                await self.pool.check()
+            raise
+
+
+def _connect_settings(url: str, connect_timeout: float | None) -> tuple[dict[str, Any], float]:
+    """The pool's connection kwargs and the longest wait to open it.
+
+    A ``connect_timeout`` in the URL itself is respected; otherwise ``connect_timeout`` is
+    passed to libpq (which counts whole seconds, at least 2).
+    """
+    if connect_timeout is None:
+        connect_timeout = DEFAULT_CONNECT_TIMEOUT_S
+    if isinstance(connect_timeout, bool) or not (
+        isinstance(connect_timeout, int | float) and 0 < connect_timeout < math.inf
+    ):
+        raise ConfigurationError(
+            f"connect_timeout must be a positive number of seconds, not {connect_timeout!r}"
+        )
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        raise ConfigurationError(f"malformed PostgreSQL URL: {exc}") from None
+    kwargs = dict(CONNECTION_KWARGS)
+    own = params.get("connect_timeout")
+    if own is None:
+        kwargs["connect_timeout"] = max(2, math.ceil(connect_timeout))
+        return kwargs, float(kwargs["connect_timeout"])
+    try:
+        seconds = float(own)
+    except ValueError:
+        raise ConfigurationError(
+            f"the URL's connect_timeout must be a number of seconds, not {own!r}"
+        ) from None
+    # 0 (or less) is libpq's "wait forever": the pool still stops waiting after ours.
+    return kwargs, max(2.0, seconds) if seconds > 0 else max(2.0, connect_timeout)
+
+
+def _connect_failed(exc: psycopg.Error) -> StorageError:
+    return StorageUnavailable(
+        str(exc).strip() or type(exc).__name__, backend=_BACKEND, operation="connect"
+    )
+
+
+def _probe(url: str, kwargs: dict[str, Any]) -> None:
+    """One direct connection: an unreachable server, unknown database or role, or a bad
+    option fails at once with libpq's own reason (a pool would retry until it timed out)."""
+    try:
+        psycopg.connect(url, connect_timeout=kwargs.get("connect_timeout"), autocommit=True).close()
+    except psycopg.Error as exc:
+        raise _connect_failed(exc) from exc
+
+
+async def _aprobe(url: str, kwargs: dict[str, Any]) -> None:
+    try:
+        conn = await psycopg.AsyncConnection.connect(
+            url, connect_timeout=kwargs.get("connect_timeout"), autocommit=True
+        )
+    except psycopg.Error as exc:
+        raise _connect_failed(exc) from exc
+    await conn.close()
+
+
+def _reconnect_again(pool: ConnectionPool[Any]) -> None:
+    """``reconnect_failed=``: start a new round of attempts (see :func:`_pool_options`)."""
+    if not pool.closed:
+        with suppress(psycopg.Error):  # closed meanwhile
+            pool.check()  # with no connection left, this grows the pool: a new attempt
+
+
+async def _areconnect_again(pool: AsyncConnectionPool[Any]) -> None:
+    if not pool.closed:
+        with suppress(psycopg.Error):
+            await pool.check()
+
+
+def _pool_options(timeout: float | None, wait: float) -> dict[str, Any]:
+    # psycopg_pool doubles the wait between reconnection attempts (1 s, 2 s, 4 s...) for
+    # reconnect_timeout, so after a long outage its next attempt could be minutes away.
+    # A short reconnect_timeout whose failure starts a new round keeps the gap between
+    # attempts under a few seconds for as long as the server is down.
+    options: dict[str, Any] = {"reconnect_timeout": wait}
+    if timeout is not None:
+        options["timeout"] = timeout
+    return options
+
 
 @contextmanager
-def open_pool(url: str, max_size: int) -> Iterator[ConnectionPool[Any]]:
-    """A sync pool shared by the saver and the recovery store; closed on exit."""
+def open_pool(
+    url: str,
+    max_size: int,
+    *,
+    connect_timeout: float | None = None,
+    timeout: float | None = None,
+) -> Iterator[ConnectionPool[Any]]:
+    """A sync pool shared by the saver and the recovery store; closed on exit.
+
+    Args:
+        url: The PostgreSQL URL.
+        max_size: Most connections.
+        connect_timeout: Longest wait to open a connection (unless the URL sets its own);
+            :data:`DEFAULT_CONNECT_TIMEOUT_S` when ``None``.
+        timeout: Longest wait for a free connection per call (psycopg_pool's default when
+            ``None``); a server down that long makes the call raise ``StorageUnavailable``.
+
+    Raises:
+        ConfigurationError: The URL cannot be parsed, or ``connect_timeout`` is invalid.
+        StorageUnavailable: The server cannot be reached or refuses the session.
+    """
+    kwargs, wait = _connect_settings(url, connect_timeout)
+    _probe(url, kwargs)
+    check = _Check()
     with ConnectionPool(
-        url, min_size=1, max_size=max_size, kwargs=dict(CONNECTION_KWARGS), open=False
+        url,
+        min_size=1,
+        max_size=max_size,
+        kwargs=kwargs,
+        check=check,
+        reconnect_failed=_reconnect_again,
+        open=False,
+        **_pool_options(timeout, wait),
     ) as pool:
-        pool.wait()
+        check.pool = pool
+        try:
+            pool.wait(timeout=wait)
+        except PoolTimeout as exc:
+            raise _connect_failed(exc) from exc
         yield pool
 
 
 @asynccontextmanager
-async def open_async_pool(url: str, max_size: int) -> AsyncIterator[AsyncConnectionPool[Any]]:
-    """An async pool shared by the saver and the recovery store; closed on exit."""
+async def open_async_pool(
+    url: str,
+    max_size: int,
+    *,
+    connect_timeout: float | None = None,
+    timeout: float | None = None,
+) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    """An async pool shared by the saver and the recovery store (see :func:`open_pool`)."""
+    kwargs, wait = _connect_settings(url, connect_timeout)
+    await _aprobe(url, kwargs)
+    check = _ACheck()
     async with AsyncConnectionPool(
-        url, min_size=1, max_size=max_size, kwargs=dict(CONNECTION_KWARGS), open=False
+        url,
+        min_size=1,
+        max_size=max_size,
+        kwargs=kwargs,
+        check=check,
+        reconnect_failed=_areconnect_again,
+        open=False,
+        **_pool_options(timeout, wait),
     ) as pool:
-        await pool.wait()
+        check.pool = pool
+        try:
+            await pool.wait(timeout=wait)
+        except PoolTimeout as exc:
+            raise _connect_failed(exc) from exc
         yield pool
+
+
+def _typed(exc: psycopg.Error) -> StorageError | None:
+    return storage_error(exc, "checkpoint")
+
+
+def _retryable(exc: StorageError) -> bool:
+    """A checkpoint call that lost its connection mid-way (not one that waited it out)."""
+    cause = exc.__cause__
+    return (
+        isinstance(exc, StorageUnavailable)
+        and connection_lost(cause)  # type: ignore[arg-type]
+        and not isinstance(cause, PoolTimeout)
+    )
+
+
+class PooledPostgresSaver(PostgresSaver):
+    """``PostgresSaver`` whose failures are typed, and whose lost calls are retried once.
+
+    Its reads and its writes (upserts keyed by the checkpoint id: idempotent) are retried
+    once when the connection was lost mid-call, e.g. by a server restart; the pool's check
+    on checkout hands the retry a live connection.
+    """
+
+    @contextmanager
+    def _cursor(self, *, pipeline: bool = False) -> Iterator[Any]:
+        try:
+            with super()._cursor(pipeline=pipeline) as cur:
+                yield cur
+        except psycopg.Error as exc:
+            if (typed := _typed(exc)) is None:
+                raise
+            raise typed from exc
+
+    def get_tuple(self, config: Any) -> Any:
+        try:
+            return super().get_tuple(config)
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        return super().get_tuple(config)
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        try:
+            return super().put(config, checkpoint, metadata, new_versions)
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        return super().put(config, checkpoint, metadata, new_versions)
+
+    def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
+        try:
+            super().put_writes(config, writes, task_id, task_path)
+            return
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        super().put_writes(config, writes, task_id, task_path)
 
 
 class PooledAsyncPostgresSaver(AsyncPostgresSaver):
@@ -48,11 +388,22 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
     Upstream enters one ``asyncio.Lock`` around every call, which serialises all the
     concurrent runs of a process on one saver (LangGraph issue #7259) although the pool
     hands each call a connection of its own. The lock only guards a single shared connection
-    or pipeline; for those, upstream's path is kept.
+    or pipeline; for those, upstream's path is kept. Failures are typed and lost calls retried
+    once, as in :class:`PooledPostgresSaver`.
     """
 
     @asynccontextmanager
     async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
+        try:
+            async with self._raw_cursor(pipeline=pipeline) as cur:
+                yield cur
+        except psycopg.Error as exc:
+            if (typed := _typed(exc)) is None:
+                raise
+            raise typed from exc
+
+    @asynccontextmanager
+    async def _raw_cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
         if not isinstance(self.conn, AsyncConnectionPool) or self.pipe:
             async with super()._cursor(pipeline=pipeline) as cur:
                 yield cur
@@ -71,3 +422,30 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
             else:
                 async with conn.cursor(binary=True, row_factory=dict_row) as cur:
                     yield cur
+
+    async def aget_tuple(self, config: Any) -> Any:
+        try:
+            return await super().aget_tuple(config)
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        return await super().aget_tuple(config)
+
+    async def aput(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        try:
+            return await super().aput(config, checkpoint, metadata, new_versions)
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        return await super().aput(config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self, config: Any, writes: Any, task_id: str, task_path: str = ""
+    ) -> None:
+        try:
+            await super().aput_writes(config, writes, task_id, task_path)
+            return
+        except StorageError as exc:
+            if not _retryable(exc):
+                raise
+        await super().aput_writes(config, writes, task_id, task_path)

@@ -22,10 +22,19 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from taskpilots_graph.checkpointers.base import require_override
+from taskpilots_graph.checkpointers.base import check_thread_id, require_override
 from taskpilots_graph.checkpointers.density import HeldCheckpoints, run_async, run_sync
+from taskpilots_graph.checkpointers.sqlite import mapped_errors
 
 __all__ = ["DelegatingSaver"]
+
+
+def _checked(config: RunnableConfig | None) -> None:
+    """Refuse a thread id no backend can store before the saver writes (or reads) it."""
+    configurable = (config or {}).get("configurable") or {}
+    if "thread_id" in configurable:
+        value = configurable["thread_id"]
+        check_thread_id(value if isinstance(value, str) else str(value))
 
 
 class DelegatingSaver(BaseCheckpointSaver[Any]):
@@ -77,9 +86,11 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         return self.inner.get(config)
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        if self.held is not None:
-            run_sync(self.inner, self.held.release(config))
-        return self.inner.get_tuple(config)
+        _checked(config)
+        with mapped_errors("get_tuple"):
+            if self.held is not None:
+                run_sync(self.inner, self.held.release(config))
+            return self.inner.get_tuple(config)
 
     def list(
         self,
@@ -100,10 +111,12 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        if self.held is None:
-            return self.inner.put(config, checkpoint, metadata, new_versions)
-        args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-        return next_config if args is None else self.inner.put(*args)
+        _checked(config)
+        with mapped_errors("put"):
+            if self.held is None:
+                return self.inner.put(config, checkpoint, metadata, new_versions)
+            args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
+            return next_config if args is None else self.inner.put(*args)
 
     def put_writes(
         self,
@@ -112,10 +125,12 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        if self.held is None:
-            self.inner.put_writes(config, writes, task_id, task_path)
-        else:
-            run_sync(self.inner, self.held.put_writes(config, writes, task_id, task_path))
+        _checked(config)
+        with mapped_errors("put_writes"):
+            if self.held is None:
+                self.inner.put_writes(config, writes, task_id, task_path)
+            else:
+                run_sync(self.inner, self.held.put_writes(config, writes, task_id, task_path))
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         require_override(self.inner, "delete_for_runs")
@@ -140,9 +155,11 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         return await self.inner.aget(config)
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        if self.held is not None:
-            await run_async(self.inner, self.held.release(config))
-        return await self.inner.aget_tuple(config)
+        _checked(config)
+        with mapped_errors("get_tuple"):
+            if self.held is not None:
+                await run_async(self.inner, self.held.release(config))
+            return await self.inner.aget_tuple(config)
 
     async def alist(
         self,
@@ -164,10 +181,12 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        if self.held is None:
-            return await self.inner.aput(config, checkpoint, metadata, new_versions)
-        args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-        return next_config if args is None else await self.inner.aput(*args)
+        _checked(config)
+        with mapped_errors("put"):
+            if self.held is None:
+                return await self.inner.aput(config, checkpoint, metadata, new_versions)
+            args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
+            return next_config if args is None else await self.inner.aput(*args)
 
     async def aput_writes(
         self,
@@ -176,10 +195,13 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        if self.held is None:
-            await self.inner.aput_writes(config, writes, task_id, task_path)
-        else:
-            await run_async(self.inner, self.held.put_writes(config, writes, task_id, task_path))
+        _checked(config)
+        with mapped_errors("put_writes"):
+            if self.held is None:
+                await self.inner.aput_writes(config, writes, task_id, task_path)
+            else:
+                held = self.held.put_writes(config, writes, task_id, task_path)
+                await run_async(self.inner, held)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         require_override(self.inner, "adelete_for_runs")

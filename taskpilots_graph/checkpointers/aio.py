@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager, closing
+from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -18,13 +17,11 @@ from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
     SQLITE_BUSY_TIMEOUT_S,
     AsyncRecoveryStore,
-    enable_wal,
     parse_conn_string,
-    sqlite_path,
 )
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
+from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore, mapped_errors, open_sqlite
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.locks.base import LeaseBackend
 
@@ -99,6 +96,7 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         *,
         pool_size: int = DEFAULT_POOL_SIZE,
         artifacts: ArtifactStore | None = None,
+        connect_timeout: float | None = None,
     ) -> AsyncIterator[Self]:
         """Open an async checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
 
@@ -108,6 +106,12 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
             pool_size: Maximum connections of the PostgreSQL pool.
             artifacts: Where artifacts go (e.g. ``FileArtifactStore(path)``); the same
                 database when omitted.
+            connect_timeout: Longest wait, in seconds, to open a PostgreSQL connection
+                (5 s when omitted; a ``connect_timeout`` in the URL wins). An unreachable
+                server, unknown database or role raises ``StorageUnavailable`` at once.
+
+        Raises:
+            StorageUnavailable: PostgreSQL cannot be reached or refuses the session.
 
         Yields:
             A ready checkpointer; await :meth:`setup` once per database.
@@ -118,20 +122,25 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         elif target.backend == "sqlite":
             import aiosqlite
 
-            path = sqlite_path(target.address)
-            # WAL is a property of the file: switch it once, with retries, on a short-lived
-            # sync connection (see enable_wal) before the async saver opens it.
-            with closing(sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S)) as probe:
-                enable_wal(probe.execute)
-            async with aiosqlite.connect(path, timeout=SQLITE_BUSY_TIMEOUT_S) as conn:
+            # WAL is a property of the file: open_sqlite switches it once, with retries, on
+            # a short-lived sync connection before the async saver opens it (a read-only
+            # file opens read-only).
+            database, uri = open_sqlite(target.address)
+            with mapped_errors("open"):
+                conn = await aiosqlite.connect(database, uri=uri, timeout=SQLITE_BUSY_TIMEOUT_S)
+            try:
                 yield cls(AsyncSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
+            finally:
+                await conn.close()
         else:
             from taskpilots_graph.checkpointers._pg_connect import (
                 PooledAsyncPostgresSaver,
                 open_async_pool,
             )
 
-            async with open_async_pool(target.address, pool_size) as pool:
+            async with open_async_pool(
+                target.address, pool_size, connect_timeout=connect_timeout
+            ) as pool:
                 saver = PooledAsyncPostgresSaver(pool, serde=compressed_serde())
                 yield cls(saver, artifacts=artifacts)
 

@@ -13,21 +13,33 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.compression import CompactionPolicy
-from taskpilots_graph.errors import ConfigurationError, UnsupportedOperation
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    CorruptRecordError,
+    StorageBusy,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+    UnsupportedOperation,
+)
 from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
+    "MAX_THREAD_ID_BYTES",
     "SQLITE_BUSY_TIMEOUT_S",
     "AsyncRecoveryStore",
     "ConnTarget",
@@ -35,11 +47,14 @@ __all__ = [
     "EventRecord",
     "PendingRecord",
     "RecoveryStore",
+    "check_thread_id",
     "enable_wal",
     "parse_conn_string",
     "prepare_event",
     "require_override",
     "rows_to_events",
+    "skipping_corrupt_events",
+    "sqlite_error",
     "sqlite_path",
 ]
 
@@ -50,6 +65,47 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 
 DEFAULT_POOL_SIZE = 8
 """Connections in the PostgreSQL pool that the saver and the recovery store share."""
+
+
+MAX_THREAD_ID_BYTES = 1024
+"""The longest thread id stored, in UTF-8 bytes (every backend indexes it; PostgreSQL's
+index rows stop near 2.7 KB)."""
+
+
+def check_thread_id(thread_id: object) -> str:
+    """``thread_id`` if every backend can store it; the one rule, checked before any write.
+
+    Raises:
+        ConfigurationError: For a non-string or empty id, a NUL character, a lone surrogate
+            (not encodable as UTF-8) or an id longer than :data:`MAX_THREAD_ID_BYTES`.
+    """
+    if not isinstance(thread_id, str) or not thread_id:
+        raise ConfigurationError(
+            f"thread_id must be a non-empty string, got {_shown(thread_id)} "
+            f"({type(thread_id).__name__})"
+        )
+    if "\x00" in thread_id:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} contains a NUL character, which no backend stores"
+        )
+    try:
+        size = len(thread_id.encode())
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} is not valid Unicode text (a lone surrogate at "
+            f"position {exc.start}); it cannot be stored"
+        ) from exc
+    if size > MAX_THREAD_ID_BYTES:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} is {size} bytes long in UTF-8; at most "
+            f"{MAX_THREAD_ID_BYTES} are stored (use a hash or a shorter id)"
+        )
+    return thread_id
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def enable_wal(execute: Callable[[str], Any]) -> None:
@@ -75,6 +131,47 @@ def enable_wal(execute: Callable[[str], Any]) -> None:
             time.sleep(0.02)
 
 
+def sqlite_error(exc: sqlite3.Error, operation: str) -> StorageError | None:
+    """The typed error for a sqlite3 error, read from its result code (never its text).
+
+    ``None`` for codes that are not storage conditions (a constraint, a programming error):
+    those keep their own type.
+    """
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(code, int):
+        return None
+    primary = code & 0xFF  # extended codes (SQLITE_BUSY_SNAPSHOT, ...) keep the primary
+    reason = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return StorageBusy(
+            f"{reason}: another connection held the file past the busy timeout; nothing "
+            "of this operation was written, retry later",
+            backend="sqlite",
+            operation=operation,
+        )
+    if primary == sqlite3.SQLITE_READONLY:
+        return StorageReadOnly(
+            f"{reason}: the file is open read-only (inspection only)",
+            backend="sqlite",
+            operation=operation,
+        )
+    if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return StorageUnavailable(
+            f"{reason}: the file is not a SQLite database, or it is damaged",
+            backend="sqlite",
+            operation=operation,
+        )
+    if primary in (
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_PERM,
+        sqlite3.SQLITE_AUTH,
+    ):
+        return StorageUnavailable(reason, backend="sqlite", operation=operation)
+    return None
+
+
 def sqlite_path(address: str) -> str:
     """Create the parent folder of a SQLite file, so ``.taskpilots/runs.db`` just works."""
     if address != ":memory:" and not address.startswith("file:"):
@@ -94,11 +191,13 @@ def parse_conn_string(conn_string: str) -> ConnTarget:
     """Resolve a connection string to a backend.
 
     Accepted forms: ``":memory:"`` (LangGraph's in-memory saver), ``"sqlite:///path.db"``,
-    ``"sqlite:///:memory:"``, a plain file path, and ``"postgresql://..."`` /
-    ``"postgres://..."``.
+    ``"sqlite:///:memory:"``, a plain file path with no ``:`` before its first ``/``, and
+    ``"postgresql://..."`` / ``"postgres://..."``.
 
     Raises:
-        ConfigurationError: For an empty string or an unknown URL scheme.
+        ConfigurationError: For an empty string, an unknown URL scheme, a scheme typo
+            (``postgresql:/db``, ``sqlite:/runs.db``) or a malformed PostgreSQL URL; nothing
+            is opened or created.
     """
     if not isinstance(conn_string, str) or not conn_string.strip():
         raise ConfigurationError(
@@ -108,6 +207,12 @@ def parse_conn_string(conn_string: str) -> ConnTarget:
     if conn_string == ":memory:":
         return ConnTarget("memory", conn_string)
     if conn_string.startswith(("postgresql://", "postgres://")):
+        try:
+            urlsplit(conn_string)  # brackets, IPv6 literals: what every URL reader needs
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"malformed PostgreSQL URL ({exc}); use 'postgresql://user@host:port/db'"
+            ) from exc
         return ConnTarget("postgres", conn_string)
     if conn_string.startswith("sqlite://"):
         path = conn_string.removeprefix("sqlite://")
@@ -123,6 +228,14 @@ def parse_conn_string(conn_string: str) -> ConnTarget:
         raise ConfigurationError(
             f"unsupported connection string scheme {scheme!r}; use ':memory:', "
             "'sqlite:///path' or 'postgresql://...'"
+        )
+    if ":" in conn_string.partition("/")[0]:
+        # 'postgresql:/db', 'sqlite:/runs.db': a scheme typo must never become a local file
+        # (workers sharing the typo would each keep a private ledger).
+        raise ConfigurationError(
+            f"{conn_string!r} looks like a URL with a malformed scheme (a scheme is followed "
+            "by '://'); use 'sqlite:///path/runs.db' or 'postgresql://user@host/db', or "
+            f"'./{conn_string}' for a file whose name contains ':'"
         )
     return ConnTarget("sqlite", conn_string)
 
@@ -191,14 +304,16 @@ def prepare_event(
     """Validate an event before anything is written.
 
     Raises:
-        ConfigurationError: For an empty thread id, an unknown kind or a payload that is
-            not JSON-serialisable or too large.
+        ConfigurationError: For a thread id :func:`check_thread_id` refuses, an unknown
+            kind or a payload that is not JSON-serialisable or too large.
     """
-    for name, value in (("thread_id", thread_id), ("checkpoint_ns", checkpoint_ns)):
-        if not isinstance(value, str) or (name == "thread_id" and not value):
-            raise ConfigurationError(f"{name} must be a non-empty string")
-        if "\x00" in value or _unencodable(value):
-            raise ConfigurationError(f"{name} {value!r} contains characters no backend can store")
+    check_thread_id(thread_id)
+    if not isinstance(checkpoint_ns, str):
+        raise ConfigurationError("checkpoint_ns must be a string")
+    if "\x00" in checkpoint_ns or _unencodable(checkpoint_ns):
+        raise ConfigurationError(
+            f"checkpoint_ns {checkpoint_ns!r} contains characters no backend can store"
+        )
     try:
         event_kind = EventKind(kind)
     except ValueError as exc:
@@ -222,20 +337,56 @@ def _unencodable(value: str) -> bool:
     return False
 
 
+_SKIPPED: ContextVar[list[CorruptRecordError] | None] = ContextVar(
+    "taskpilots_skipped_event_rows", default=None
+)
+
+
+@contextmanager
+def skipping_corrupt_events() -> Iterator[list[CorruptRecordError]]:
+    """Within the block, an event row that cannot be decoded is skipped and its error
+    collected in the yielded list, instead of failing the whole read.
+
+    For listings and metrics only, which must not fail a whole store for one bad row; a
+    run, a resume or a replay always reads with corrupt rows refused (a skipped event could
+    make a run repeat an effect). Works for stores called in this context (the sync
+    checkpointer, and the async one awaited from this task).
+    """
+    skipped: list[CorruptRecordError] = []
+    token = _SKIPPED.set(skipped)
+    try:
+        yield skipped
+    finally:
+        _SKIPPED.reset(token)
+
+
 def rows_to_events(rows: Iterable[Sequence[Any]]) -> list[Event]:
-    """Decode rows selected in the column order of ``SELECT_EVENTS``."""
-    return [
-        event_from_row(
-            thread_id=row[0],
-            seq=row[1],
-            kind=row[2],
-            ts=row[3],
-            checkpoint_ns=row[4],
-            checkpoint_id=row[5],
-            payload=row[6],
-        )
-        for row in rows
-    ]
+    """Decode rows selected in the column order of ``SELECT_EVENTS``.
+
+    Raises:
+        CorruptRecordError: For a row that cannot be decoded (skipped and collected instead
+            inside :func:`skipping_corrupt_events`).
+    """
+    skipped = _SKIPPED.get()
+    events = []
+    for row in rows:
+        try:
+            event = event_from_row(
+                thread_id=row[0],
+                seq=row[1],
+                kind=row[2],
+                ts=row[3],
+                checkpoint_ns=row[4],
+                checkpoint_id=row[5],
+                payload=row[6],
+            )
+        except CorruptRecordError as exc:
+            if skipped is None:
+                raise
+            skipped.append(exc)
+            continue
+        events.append(event)
+    return events
 
 
 class RecoveryStore(Protocol):

@@ -5,24 +5,35 @@ lock), so writing an event never opens a connection of its own. Every write comm
 the call returns: an external action may follow it, so each connection's session sets
 ``synchronous_commit`` back to ``on`` before its first write, whatever the server or role
 default says.
+
+Failures are typed (:mod:`._pg_connect`): a lost connection is ``StorageUnavailable``. A call
+that lost its connection is retried once when it cannot have changed anything: a read, or a
+write whose transaction never reached COMMIT. A write lost while it may have been committing
+(a single autocommit statement, or the COMMIT itself) is ambiguous: it is never retried, the
+error says so, and the next read shows what happened. The schema version is checked on the
+first use of a store, as SQLite does: a worker that skipped ``setup()`` never runs on a schema
+it does not know.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
+import psycopg
 from psycopg import AsyncConnection, Connection, errors
 from psycopg.rows import tuple_row
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._pg_connect import connection_lost, storage_error
 from taskpilots_graph.checkpointers._rows import (
     decision_params,
     ledger_list_sql,
@@ -64,6 +75,84 @@ _DURABLE = "SET synchronous_commit = on"
 # round trip saved on every write) rather than per transaction; the setting only ever
 # strengthens durability, also for the saver sharing the connection.
 _durable: weakref.WeakSet[Any] = weakref.WeakSet()
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Failed(Exception):
+    """A psycopg failure inside ``_transaction``, typed by the public method it ends."""
+
+    def __init__(self, exc: psycopg.Error, *, sent: bool) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+        # ``sent``: a write may have been committing; never retried, reported as ambiguous.
+        self.sent = sent
+        self.retry = not sent and connection_lost(exc) and not isinstance(exc, PoolTimeout)
+
+    def typed(self, operation: str) -> StorageError:
+        typed = storage_error(self.exc, operation, ambiguous=self.sent)
+        assert typed is not None  # only typeable failures become _Failed
+        return typed
+
+
+def _guarded(method: Callable[P, R]) -> Callable[P, R]:
+    """Type the store's psycopg failures; retry once a call that cannot have changed anything."""
+    operation = method.__name__
+
+    @functools.wraps(method)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in (1, 2):
+            try:
+                return method(*args, **kwargs)
+            except _Failed as failed:
+                if failed.retry and attempt == 1:
+                    continue
+                raise failed.typed(operation) from failed.exc
+            except psycopg.Error as exc:  # outside _transaction (setup)
+                if (typed := storage_error(exc, operation)) is None:
+                    raise
+                raise typed from exc
+        raise AssertionError("unreachable")
+
+    return run
+
+
+def _aguarded(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Async twin of :func:`_guarded`."""
+    operation = method.__name__
+
+    @functools.wraps(method)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in (1, 2):
+            try:
+                return await method(*args, **kwargs)
+            except _Failed as failed:
+                if failed.retry and attempt == 1:
+                    continue
+                raise failed.typed(operation) from failed.exc
+            except psycopg.Error as exc:
+                if (typed := storage_error(exc, operation)) is None:
+                    raise
+                raise typed from exc
+        raise AssertionError("unreachable")
+
+    return run
+
+
+def _schema_error(current: int) -> StorageError | None:
+    """Why a store may not run on a schema at version ``current`` (``None``: it may)."""
+    if current > sql.SCHEMA_VERSION:
+        return MigrationError(
+            f"the database schema is at version {current}, newer than this library's "
+            f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
+        )
+    if current < sql.SCHEMA_VERSION:
+        return MigrationError(
+            f"the database schema is at version {current}, older than this library's "
+            f"{sql.SCHEMA_VERSION}; call checkpointer.setup() once to migrate it"
+        )
+    return None
 
 
 def _pending(current: int) -> list[tuple[int, str]]:
@@ -200,6 +289,7 @@ class PostgresStore:
         self.conn = conn
         # Only used for a single shared connection: the saver serialises on the same lock.
         self.lock = lock
+        self.schema_checked = False
 
     @contextmanager
     def _connection(self) -> Iterator[Connection[Any]]:
@@ -214,8 +304,11 @@ class PostgresStore:
     def _transaction(self, *, write: bool = True, begin: bool = True) -> Iterator[Any]:
         # Reads, and writes made of one statement (``begin=False``), run as single
         # autocommit statements: no BEGIN/COMMIT round trips.
+        sent = False  # whether a write may have been committing when a failure came
         try:
             with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+                if not self.schema_checked:
+                    self._check_schema(cur)
                 if not write:
                     yield cur
                     return
@@ -223,13 +316,26 @@ class PostgresStore:
                     cur.execute(_DURABLE)
                     _durable.add(conn)
                 if not begin:
+                    sent = True
                     yield cur
                     return
                 with conn.transaction():
                     yield cur
+                    sent = True  # the COMMIT follows
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc
+        except psycopg.Error as exc:
+            if storage_error(exc, "") is None:
+                raise
+            raise _Failed(exc, sent=sent) from exc
 
+    def _check_schema(self, cur: Any) -> None:
+        problem = _schema_error(cur.execute(sql.SELECT_VERSION).fetchone()[0])
+        if problem is not None:
+            raise problem
+        self.schema_checked = True
+
+    @_guarded
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
         """Run ``inner_setup`` (the saver's own) and the store's migrations, one process at once.
 
@@ -253,6 +359,7 @@ class PostgresStore:
                         # (the pool's connections prepare everything: prepare_threshold=0).
                         cur.execute(script, prepare=False)
                         cur.execute(sql.INSERT_VERSION[_D], (version,))
+                self.schema_checked = True
             finally:
                 cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
 
@@ -267,21 +374,25 @@ class PostgresStore:
             finally:
                 self.lock.acquire()
 
+    @_guarded
     def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         # One thread's records are one statement: no transaction block needed around it.
         with self._transaction(begin=len(_by_thread(records)) > 1) as cur:
             return _append_all(cur, records)
 
+    @_guarded
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         with self._transaction(write=False) as cur:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
         return rows_to_events(rows)
 
+    @_guarded
     def delete_thread(self, thread_id: str) -> None:
         with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
+    @_guarded
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         with self._transaction() as cur:
@@ -290,11 +401,13 @@ class PostgresStore:
                 cur.execute(statement, (thread_id,))
         return int(removed)
 
+    @_guarded
     def ledger_get(self, key: str) -> LedgerEntry | None:
         with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
         return None if row is None else row_to_entry(row)
 
+    @_guarded
     def ledger_write(
         self,
         entry: LedgerEntry,
@@ -311,54 +424,64 @@ class PostgresStore:
                 raise LedgerConflict(entry.key)
             return _append_all(cur, events)
 
+    @_guarded
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
         with self._transaction(write=False) as cur:
             rows = cur.execute(statement, params).fetchall()
         return [row_to_entry(row) for row in rows]
 
+    @_guarded
     def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
         params = repeat_params(thread_id, tool, args_digest)
         with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["repeat"], params).fetchone()
         return None if row is None else row_to_committed(row)
 
+    @_guarded
     def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
         with self._transaction(write=False) as cur:
             rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id}).fetchall()
         return [(str(tool), str(digest)) for tool, digest in rows]
 
+    @_guarded
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
         params = decision_params(thread_id, checkpoint_ns, input_digest)
         with self._transaction(write=False) as cur:
             row = cur.execute(_LEDGER["decision_get"], params).fetchone()
         return None if row is None else str(row[0])
 
+    @_guarded
     def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
         with self._transaction(write=False) as cur:
             return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
 
+    @_guarded
     def decision_forget(self, thread_id: str, since: float) -> int:
         with self._transaction() as cur:
             params = {"thread_id": thread_id, "since": since}
             return int(cur.execute(_LEDGER["decision_forget"], params).rowcount)
 
+    @_guarded
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._transaction() as cur:
             if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
                 cur.execute(_ARTIFACTS["put"], artifact.params())
 
+    @_guarded
     def get_artifact(self, artifact_id: str) -> bytes | None:
         # binary=True: the payload comes back as raw bytes, not as hex text twice its size.
         with self._transaction(write=False) as cur:
             row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True).fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
 
+    @_guarded
     def delete_artifacts(self, thread_id: str) -> None:
         with self._transaction() as cur:
             cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
+    @_guarded
     def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         # Read and rewrite need not be one snapshot: appends only add newer events, and a
         # concurrent compaction computes the same reduction of the same old payloads.
@@ -382,6 +505,7 @@ class AsyncPostgresStore:
     ) -> None:
         self.conn = conn
         self.lock = lock
+        self.schema_checked = False
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[AsyncConnection[Any]]:
@@ -394,8 +518,11 @@ class AsyncPostgresStore:
 
     @asynccontextmanager
     async def _transaction(self, *, write: bool = True, begin: bool = True) -> AsyncIterator[Any]:
+        sent = False
         try:
             async with self._connection() as conn, conn.cursor(row_factory=tuple_row) as cur:
+                if not self.schema_checked:
+                    await self._check_schema(cur)
                 if not write:
                     yield cur
                     return
@@ -403,13 +530,26 @@ class AsyncPostgresStore:
                     await cur.execute(_DURABLE)
                     _durable.add(conn)
                 if not begin:
+                    sent = True
                     yield cur
                     return
                 async with conn.transaction():
                     yield cur
+                    sent = True
         except errors.UndefinedTable as exc:
             raise _missing_tables(exc) from exc
+        except psycopg.Error as exc:
+            if storage_error(exc, "") is None:
+                raise
+            raise _Failed(exc, sent=sent) from exc
 
+    async def _check_schema(self, cur: Any) -> None:
+        (current,) = await (await cur.execute(sql.SELECT_VERSION)).fetchone()
+        if (problem := _schema_error(current)) is not None:
+            raise problem
+        self.schema_checked = True
+
+    @_aguarded
     async def setup(self, inner_setup: Callable[[], Awaitable[None]] | None = None) -> None:
         """Async twin of :meth:`PostgresStore.setup`."""
         deadline = time.monotonic() + _SETUP_TIMEOUT_S
@@ -427,6 +567,7 @@ class AsyncPostgresStore:
                     for version, script in _pending(current):
                         await cur.execute(script, prepare=False)
                         await cur.execute(sql.INSERT_VERSION[_D], (version,))
+                self.schema_checked = True
             finally:
                 await cur.execute(_UNLOCK, (sql.SETUP_LOCK_KEY,))
 
@@ -440,21 +581,25 @@ class AsyncPostgresStore:
             finally:
                 await self.lock.acquire()
 
+    @_aguarded
     async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         async with self._transaction(begin=len(_by_thread(records)) > 1) as cur:
             return await _aappend_all(cur, records)
 
+    @_aguarded
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         async with self._transaction(write=False) as cur:
             await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq))
             rows = await cur.fetchall()
         return rows_to_events(rows)
 
+    @_aguarded
     async def delete_thread(self, thread_id: str) -> None:
         async with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 await cur.execute(statement, (thread_id,))
 
+    @_aguarded
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         async with self._transaction() as cur:
@@ -464,12 +609,14 @@ class AsyncPostgresStore:
                 await cur.execute(statement, (thread_id,))
         return int(removed)
 
+    @_aguarded
     async def ledger_get(self, key: str) -> LedgerEntry | None:
         async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["get"], {"key": key})
             row = await cur.fetchone()
         return None if row is None else row_to_entry(row)
 
+    @_aguarded
     async def ledger_write(
         self,
         entry: LedgerEntry,
@@ -488,6 +635,7 @@ class AsyncPostgresStore:
                 raise LedgerConflict(entry.key)
             return await _aappend_all(cur, events)
 
+    @_aguarded
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
         async with self._transaction(write=False) as cur:
@@ -495,6 +643,7 @@ class AsyncPostgresStore:
             rows = await cur.fetchall()
         return [row_to_entry(row) for row in rows]
 
+    @_aguarded
     async def ledger_repeat(
         self, thread_id: str, tool: str, args_digest: str
     ) -> CommittedEffect | None:
@@ -504,11 +653,13 @@ class AsyncPostgresStore:
             row = await cur.fetchone()
         return None if row is None else row_to_committed(row)
 
+    @_aguarded
     async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
         async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
             return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
 
+    @_aguarded
     async def decision_get(
         self, thread_id: str, checkpoint_ns: str, input_digest: str
     ) -> str | None:
@@ -518,33 +669,39 @@ class AsyncPostgresStore:
             row = await cur.fetchone()
         return None if row is None else str(row[0])
 
+    @_aguarded
     async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
         async with self._transaction(write=False) as cur:
             await cur.execute(_LEDGER["decision_digests"], params)
             return [str(row[0]) for row in await cur.fetchall()]
 
+    @_aguarded
     async def decision_forget(self, thread_id: str, since: float) -> int:
         async with self._transaction() as cur:
             await cur.execute(_LEDGER["decision_forget"], {"thread_id": thread_id, "since": since})
             return int(cur.rowcount)
 
+    @_aguarded
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         async with self._transaction() as cur:
             await cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact))
             if await cur.fetchone() is None:
                 await cur.execute(_ARTIFACTS["put"], artifact.params())
 
+    @_aguarded
     async def get_artifact(self, artifact_id: str) -> bytes | None:
         async with self._transaction(write=False) as cur:
             await cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True)
             row = await cur.fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
 
+    @_aguarded
     async def delete_artifacts(self, thread_id: str) -> None:
         async with self._transaction() as cur:
             await cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
+    @_aguarded
     async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         async with self._transaction() as cur:
             await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0))

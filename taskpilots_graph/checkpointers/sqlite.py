@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, closing, contextmanager
+from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
 from taskpilots_graph.checkpointers import _schema as sql
 from taskpilots_graph.checkpointers._rows import (
@@ -31,19 +34,93 @@ from taskpilots_graph.checkpointers.artifacts import (
     stored_bytes,
 )
 from taskpilots_graph.checkpointers.base import (
+    SQLITE_BUSY_TIMEOUT_S,
     DecisionRecord,
     EventRecord,
     PendingRecord,
+    enable_wal,
     rows_to_events,
+    sqlite_error,
+    sqlite_path,
 )
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
-from taskpilots_graph.errors import LedgerConflict, MigrationError
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    LedgerConflict,
+    MigrationError,
+    StorageUnavailable,
+)
 from taskpilots_graph.events import Event
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
-__all__ = ["AsyncSqliteStore", "SqliteStore"]
+__all__ = ["AsyncSqliteStore", "SqliteStore", "mapped_errors", "open_sqlite"]
 
 _D: Final = "sqlite"
+
+
+@contextmanager
+def mapped_errors(operation: str) -> Iterator[None]:
+    """Re-raise a sqlite3 storage error as its typed twin (``StorageBusy``, ...).
+
+    Codes that are no storage condition (constraints, programming errors) pass unchanged.
+    """
+    try:
+        yield
+    except sqlite3.Error as exc:
+        typed = sqlite_error(exc, operation)
+        if typed is None:
+            raise
+        raise typed from exc
+
+
+def open_sqlite(address: str) -> tuple[str, bool]:
+    """Check a SQLite path and prepare its file; the ``(database, uri)`` to connect with.
+
+    Creates the parent folder, switches the file to WAL (see :func:`enable_wal`) and
+    answers a file this process may not write with a read-only URI: reads work, writes
+    raise :class:`~taskpilots_graph.errors.StorageReadOnly`.
+
+    Raises:
+        ConfigurationError: A directory as path, a parent path that is a file, or a file
+            that is not a SQLite database.
+        StorageUnavailable: The file cannot be opened or created (permissions, I/O).
+    """
+    if address == ":memory:" or address.startswith("file:"):
+        return address, False
+    path = Path(address)
+    if path.is_dir():
+        raise ConfigurationError(f"SQLite path {address!r} is a directory; name a file in it")
+    try:
+        sqlite_path(address)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise ConfigurationError(
+            f"SQLite path {address!r} cannot be created: a parent of it is a file"
+        ) from exc
+    except OSError as exc:
+        raise StorageUnavailable(
+            f"cannot create the folder of {address!r}: {exc.strerror or exc}",
+            backend=_D,
+            operation="open",
+        ) from exc
+    read_only = path.exists() and not os.access(path, os.W_OK)
+    if not read_only:
+        try:
+            with closing(sqlite3.connect(address, timeout=SQLITE_BUSY_TIMEOUT_S)) as probe:
+                enable_wal(probe.execute)
+        except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            if code == sqlite3.SQLITE_NOTADB:
+                raise ConfigurationError(
+                    f"{address!r} is not a SQLite database; point at a taskpilots database "
+                    "or at a path where a new one may be created"
+                ) from exc
+            if code != sqlite3.SQLITE_READONLY:  # a read-only mount: open for reading
+                with mapped_errors("open"):
+                    raise
+            read_only = True
+    if read_only:
+        return f"file:{quote(str(path.resolve()))}?mode=ro", True
+    return address, False
 
 
 def _statements(script: str) -> list[str]:
@@ -59,6 +136,16 @@ def _pending(current: int) -> list[tuple[int, str]]:
             f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
         )
     return [(v, sql.MIGRATIONS[_D][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
+
+
+_HAS_MIGRATIONS: Final = (
+    f"SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '{sql.MIGRATIONS_TABLE}'"
+)
+
+
+def _up_to_date(version: Any) -> bool:
+    """The file's schema is already this library's (``_pending`` refuses a newer one)."""
+    return version is not None and not _pending(int(version))
 
 
 def _append_params(record: EventRecord) -> tuple[Any, ...]:
@@ -117,8 +204,8 @@ class SqliteStore:
         self.is_setup = False
 
     @contextmanager
-    def _cursor(self) -> Iterator[sqlite3.Cursor]:
-        with self.lock:
+    def _cursor(self, operation: str) -> Iterator[sqlite3.Cursor]:
+        with self.lock, mapped_errors(operation):
             if not self.is_setup:
                 self._migrate()
             cur = self.conn.cursor()
@@ -133,6 +220,11 @@ class SqliteStore:
 
     def _migrate(self) -> None:
         conn = self.conn
+        if conn.execute(_HAS_MIGRATIONS).fetchone() is not None and _up_to_date(
+            conn.execute(sql.SELECT_VERSION).fetchone()[0]
+        ):
+            self.is_setup = True  # no write: a read-only file opens for inspection
+            return
         conn.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
         conn.commit()
         conn.execute("BEGIN IMMEDIATE")
@@ -152,33 +244,33 @@ class SqliteStore:
         if inner_setup is not None:
             with self.lock:
                 inner_setup()
-        with self._cursor():
+        with self._cursor("setup"):
             pass
 
     def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
-        with self._cursor() as cur:
+        with self._cursor("append_events") as cur:
             return _append_all(cur, records)
 
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        with self._cursor() as cur:
+        with self._cursor("events") as cur:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
         return rows_to_events(rows)
 
     def delete_thread(self, thread_id: str) -> None:
-        with self._cursor() as cur:
+        with self._cursor("delete_thread") as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
 
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
-        with self._cursor() as cur:
+        with self._cursor("prune_checkpoints") as cur:
             removed = cur.execute(first, (thread_id, json.dumps(list(keep)))).rowcount
             for statement in rest:
                 cur.execute(statement, (thread_id,))
         return int(removed)
 
     def ledger_get(self, key: str) -> LedgerEntry | None:
-        with self._cursor() as cur:
+        with self._cursor("ledger_get") as cur:
             row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
         return None if row is None else row_to_entry(row)
 
@@ -190,30 +282,30 @@ class SqliteStore:
         events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
-        with self._cursor() as cur:
+        with self._cursor("ledger_write") as cur:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
             return _append_all(cur, events)
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
-        with self._cursor() as cur:
+        with self._cursor("ledger") as cur:
             rows = cur.execute(statement, params).fetchall()
         return [row_to_entry(row) for row in rows]
 
     def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
         params = repeat_params(thread_id, tool, args_digest)
-        with self._cursor() as cur:
+        with self._cursor("ledger_repeat") as cur:
             row = cur.execute(_LEDGER["repeat"], params).fetchone()
         return None if row is None else row_to_committed(row)
 
     def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        with self._cursor() as cur:
+        with self._cursor("ledger_committed_digests") as cur:
             rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
             return [(str(tool), str(digest)) for tool, digest in rows]
 
     def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        with self._cursor() as cur:
+        with self._cursor("decision_get") as cur:
             row = cur.execute(
                 _LEDGER["decision_get"], decision_params(thread_id, checkpoint_ns, input_digest)
             ).fetchone()
@@ -221,33 +313,33 @@ class SqliteStore:
 
     def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
-        with self._cursor() as cur:
+        with self._cursor("decision_digests") as cur:
             return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
 
     def decision_forget(self, thread_id: str, since: float) -> int:
-        with self._cursor() as cur:
+        with self._cursor("decision_forget") as cur:
             return cur.execute(
                 _LEDGER["decision_forget"], {"thread_id": thread_id, "since": since}
             ).rowcount
 
     def put_artifact(self, artifact: PreparedArtifact) -> None:
-        with self._cursor() as cur:
+        with self._cursor("put_artifact") as cur:
             if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
                 cur.execute(_ARTIFACTS["put"], artifact.params())
 
     def get_artifact(self, artifact_id: str) -> bytes | None:
-        with self._cursor() as cur:
+        with self._cursor("get_artifact") as cur:
             row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}).fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
 
     def delete_artifacts(self, thread_id: str) -> None:
-        with self._cursor() as cur:
+        with self._cursor("delete_artifacts") as cur:
             cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         # Read and rewrite need not be one snapshot: appends only add newer events, and a
         # concurrent compaction computes the same reduction of the same old payloads.
-        with self._cursor() as cur:
+        with self._cursor("compact_events") as cur:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)).fetchall()
             plan = policy.plan(rows_to_events(rows))
             cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
@@ -264,6 +356,14 @@ class AsyncSqliteStore:
 
     async def _migrate(self) -> None:
         conn = self.conn
+        async with conn.execute(_HAS_MIGRATIONS) as cur:
+            known = await cur.fetchone() is not None
+        if known:
+            async with conn.execute(sql.SELECT_VERSION) as cur:
+                (version,) = await cur.fetchone()
+            if _up_to_date(version):
+                self.is_setup = True  # no write: a read-only file opens for inspection
+                return
         await conn.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
         await conn.commit()
         await conn.execute("BEGIN IMMEDIATE")
@@ -289,39 +389,45 @@ class AsyncSqliteStore:
         if inner_setup is not None:
             await inner_setup()
         async with self.lock:
-            await self._ready()
+            with mapped_errors("setup"):
+                await self._ready()
 
     async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
-        async with self._transaction() as conn:
+        async with self._transaction("append_events") as conn:
             return await _aappend_all(conn, records)
 
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         async with (
-            self._transaction() as conn,
+            self._transaction("events") as conn,
             conn.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)) as cur,
         ):
             rows = await cur.fetchall()
         return rows_to_events(rows)
 
     @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[Any]:
+    async def _transaction(self, operation: str) -> AsyncIterator[Any]:
         async with self.lock:
-            await self._ready()
+            with mapped_errors(operation):
+                await self._ready()
             try:
                 yield self.conn
-                await self.conn.commit()
-            except BaseException:
+                with mapped_errors(operation):
+                    await self.conn.commit()
+            except BaseException as exc:
                 await self.conn.rollback()
-                raise
+                typed = sqlite_error(exc, operation) if isinstance(exc, sqlite3.Error) else None
+                if typed is None:
+                    raise
+                raise typed from exc
 
     async def delete_thread(self, thread_id: str) -> None:
-        async with self._transaction() as conn:
+        async with self._transaction("delete_thread") as conn:
             for statement in sql.DELETE_THREAD[_D]:
                 await conn.execute(statement, (thread_id,))
 
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
-        async with self._transaction() as conn:
+        async with self._transaction("prune_checkpoints") as conn:
             cur = await conn.execute(first, (thread_id, json.dumps(list(keep))))
             removed = cur.rowcount
             for statement in rest:
@@ -329,7 +435,10 @@ class AsyncSqliteStore:
         return int(removed)
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
-        async with self._transaction() as conn, conn.execute(_LEDGER["get"], {"key": key}) as cur:
+        async with (
+            self._transaction("ledger_get") as conn,
+            conn.execute(_LEDGER["get"], {"key": key}) as cur,
+        ):
             row = await cur.fetchone()
         return None if row is None else row_to_entry(row)
 
@@ -341,7 +450,7 @@ class AsyncSqliteStore:
         events: Sequence[PendingRecord] = (),
     ) -> list[Event]:
         statement, params = ledger_write_sql(_D, entry, expect)
-        async with self._transaction() as conn:
+        async with self._transaction("ledger_write") as conn:
             async with conn.execute(statement, params) as cur:
                 if cur.rowcount != 1:
                     raise LedgerConflict(entry.key)
@@ -349,7 +458,7 @@ class AsyncSqliteStore:
 
     async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
-        async with self._transaction() as conn, conn.execute(statement, params) as cur:
+        async with self._transaction("ledger") as conn, conn.execute(statement, params) as cur:
             rows = await cur.fetchall()
         return [row_to_entry(row) for row in rows]
 
@@ -357,14 +466,17 @@ class AsyncSqliteStore:
         self, thread_id: str, tool: str, args_digest: str
     ) -> CommittedEffect | None:
         params = repeat_params(thread_id, tool, args_digest)
-        async with self._transaction() as conn, conn.execute(_LEDGER["repeat"], params) as cur:
+        async with (
+            self._transaction("ledger_repeat") as conn,
+            conn.execute(_LEDGER["repeat"], params) as cur,
+        ):
             row = await cur.fetchone()
         return None if row is None else row_to_committed(row)
 
     async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
         params = {"thread_id": thread_id}
         async with (
-            self._transaction() as conn,
+            self._transaction("ledger_committed_digests") as conn,
             conn.execute(_LEDGER["committed_digests"], params) as cur,
         ):
             return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
@@ -374,7 +486,7 @@ class AsyncSqliteStore:
     ) -> str | None:
         params = decision_params(thread_id, checkpoint_ns, input_digest)
         async with (
-            self._transaction() as conn,
+            self._transaction("decision_get") as conn,
             conn.execute(_LEDGER["decision_get"], params) as cur,
         ):
             row = await cur.fetchone()
@@ -383,7 +495,7 @@ class AsyncSqliteStore:
     async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
         params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
         async with (
-            self._transaction() as conn,
+            self._transaction("decision_digests") as conn,
             conn.execute(_LEDGER["decision_digests"], params) as cur,
         ):
             return [str(row[0]) for row in await cur.fetchall()]
@@ -391,13 +503,13 @@ class AsyncSqliteStore:
     async def decision_forget(self, thread_id: str, since: float) -> int:
         params = {"thread_id": thread_id, "since": since}
         async with (
-            self._transaction() as conn,
+            self._transaction("decision_forget") as conn,
             conn.execute(_LEDGER["decision_forget"], params) as cur,
         ):
             return int(cur.rowcount)
 
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
-        async with self._transaction() as conn:
+        async with self._transaction("put_artifact") as conn:
             async with conn.execute(_ARTIFACTS["exists"], _artifact_key(artifact)) as cur:
                 found = await cur.fetchone()
             if found is None:
@@ -405,18 +517,18 @@ class AsyncSqliteStore:
 
     async def get_artifact(self, artifact_id: str) -> bytes | None:
         async with (
-            self._transaction() as conn,
+            self._transaction("get_artifact") as conn,
             conn.execute(_ARTIFACTS["get"], {"id": artifact_id}) as cur,
         ):
             row = await cur.fetchone()
         return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
 
     async def delete_artifacts(self, thread_id: str) -> None:
-        async with self._transaction() as conn:
+        async with self._transaction("delete_artifacts") as conn:
             await conn.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
-        async with self._transaction() as conn:
+        async with self._transaction("compact_events") as conn:
             async with conn.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)) as cur:
                 rows = await cur.fetchall()
             plan = policy.plan(rows_to_events(rows))

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from datetime import date, datetime
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -46,6 +46,8 @@ __all__ = [
     "stderr",
     "stdout",
     "to_jsonable",
+    "warn",
+    "warn_corrupt",
 ]
 
 DB_ENV = ("TASKPILOTS_DB", "TASKPILOTS_POSTGRES_URL")
@@ -96,6 +98,24 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(EXIT_ERROR)
 
 
+def warn(message: str) -> None:
+    """Print ``warning: message`` in yellow on one line of stderr (the command goes on)."""
+    from rich.text import Text
+
+    line = " ".join(str(message).split())
+    stderr().print(Text.assemble(("warning: ", "bold yellow"), (line, "yellow")))
+
+
+def warn_corrupt(keys: Sequence[str]) -> None:
+    """Report event rows a listing skipped because they cannot be decoded."""
+    if keys:
+        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+        warn(
+            f"skipped {len(keys)} corrupt event row(s) that cannot be decoded ({shown}); "
+            "everything else is shown"
+        )
+
+
 @contextmanager
 def guarded() -> Iterator[None]:
     """Turn the errors a user can cause into one line on stderr and a non-zero exit.
@@ -128,15 +148,22 @@ def resolve_db(db: str | None) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, fit for an error message."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL without its password, fit for an error message; never raises.
+
+    Plain string work, not ``urlsplit``: the URL may be exactly what is wrong (an unclosed
+    ``[`` of an IPv6 host, several ``host:port`` pairs), and the message must still come out.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{parts.username}:***@{host}" if parts.username else host
-    return urlunsplit(parts._replace(netloc=netloc))
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, hosts = rest[:end].rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.partition(':')[0]}:***@{hosts}{rest[end:]}"
+    return _PASSWORD_PARAM.sub(r"\1***", f"{scheme}://{rest}")
+
+
+_PASSWORD_PARAM = re.compile(r"((?:^|[?&])password=)[^&#]*", re.IGNORECASE)
 
 
 def _probe_postgres(url: str) -> None:

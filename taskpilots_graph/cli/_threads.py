@@ -16,6 +16,7 @@ from taskpilots_graph.cli._common import (
     open_store,
     stdout,
     to_jsonable,
+    warn_corrupt,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ def threads(
 
         with open_store(db) as cp:
             infos = list_threads(cp)
+        warn_corrupt([key for info in infos for key in info.corrupt_events])
         rows = [to_jsonable(info) for info in infos]
         if status:
             rows = [r for r in rows if r.get("status") in status]
@@ -225,6 +227,7 @@ def metrics(
         start = parse_since(since)
         with open_store(db) as cp:
             result = recovery_metrics(cp, since=start, thread_ids=thread or None)
+        warn_corrupt(result.corrupt_events)
         if prometheus:
             typer.echo(result.to_prometheus(), nl=False)
             return
