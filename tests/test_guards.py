@@ -646,3 +646,43 @@ def test_lease_of_a_killed_worker_on_this_machine_is_taken_over(db: str) -> None
         values = graph.invoke(_go(), _on("k"))
         assert str(values["messages"][-1].content) == "done"
         assert cp.lease_backend().holder(thread_lease_name("k")) is None
+
+
+def test_a_conflict_on_the_commit_says_the_run_performed_the_effect() -> None:
+    """The protocol, driven by hand: another run moves the entry while our call runs, so
+    our commit is refused. The error must not claim the effect was not performed."""
+    from taskpilots_graph.errors import LedgerConflict
+    from taskpilots_graph.ledger import SideEffectSpec
+    from taskpilots_graph.nodes._protocol import (
+        CallContext,
+        CheckArgs,
+        FindRepeat,
+        RunTool,
+        WriteEntry,
+        run_call,
+    )
+
+    ctx = CallContext(
+        thread_id="t",
+        checkpoint_ns="",
+        tool="refund",
+        args={"order": "o1"},
+        tool_call_id="call-1",
+        spec=SideEffectSpec(),
+        key="refund:o1",
+    )
+    gen = run_call(ctx)
+    request = next(gen)
+    assert isinstance(request, CheckArgs)
+    assert isinstance(gen.send(None), FindRepeat)
+    intent = gen.send(None)
+    assert isinstance(intent, WriteEntry)
+    assert intent.entry.status is LedgerStatus.INTENDED
+    assert isinstance(gen.send([]), RunTool)
+    commit = gen.send("refunded o1")  # the tool ran: the effect happened
+    assert isinstance(commit, WriteEntry)
+    assert commit.entry.status is LedgerStatus.COMMITTED
+    with pytest.raises(LedgerConflict) as refused:
+        gen.throw(LedgerConflict("refund:o1"))
+    assert refused.value.performed
+    assert "had already performed the effect" in str(refused.value)
