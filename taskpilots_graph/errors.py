@@ -229,14 +229,15 @@ class ThreadNotFound(TaskPilotsError, LookupError):
 class PendingTakeover(TaskPilotsError):
     """The thread is paused on an interrupt that a person must answer.
 
-    Resuming it with ``invoke(None)`` could replay a stale answer (LangGraph #8837); answer
-    the interrupt instead.
+    Resuming it with ``invoke(None)`` could replay a stale answer (LangGraph #8837), and new
+    input would silently drop the question: answer it (``tp.decide``) instead.
     """
 
     def __init__(self, thread_id: str, interrupt_ids: list[str]) -> None:
         super().__init__(
-            f"thread {thread_id!r} waits on a person ({len(interrupt_ids)} pending "
-            "interrupt(s)); answer it with Command(resume=...) instead of resuming it"
+            f"thread {thread_id!r} waits on a person's decision (pending takeover "
+            f"{', '.join(interrupt_ids) or '?'}); nothing was run. Answer it first with "
+            f"tp.decide(graph, {thread_id!r}, tp.Decision(...)) or `taskpilots decide`"
         )
         self.thread_id = thread_id
         self.interrupt_ids = interrupt_ids

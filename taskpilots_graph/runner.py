@@ -31,7 +31,6 @@ from taskpilots_graph.errors import (
     ConfigurationError,
     InvalidDecision,
     NoPendingTakeover,
-    PendingTakeover,
     ThreadNotFound,
 )
 from taskpilots_graph.events import Event, EventKind
@@ -46,8 +45,10 @@ from taskpilots_graph.unfinished import (
     abefore_run,
     areconcile_orphans,
     before_run,
+    has_work,
     orphan_intents,
     reconcile_orphans,
+    refuse_takeover,
 )
 
 __all__ = [
@@ -194,11 +195,8 @@ def _settle_unstored(thread_id: str, outcomes: list[OrphanOutcome]) -> None:
 
 
 def _has_work(snapshot: StateSnapshot, thread_id: str) -> bool:
-    if snapshot.interrupts:
-        raise PendingTakeover(thread_id, [i.id for i in snapshot.interrupts])
-    # `next` alone is not enough: after a crash between a task's writes and the next
-    # checkpoint, `next` can be empty while `tasks` still holds the finished task.
-    return bool(snapshot.next or snapshot.tasks)
+    refuse_takeover(thread_id, snapshot)
+    return has_work(snapshot)
 
 
 def resume(

@@ -62,6 +62,7 @@ from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 from taskpilots_graph.nodes.executor import pending_calls
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.runner import _aleased, _config, _leased
+from taskpilots_graph.unfinished import has_work
 
 __all__ = [
     "Attribution",
@@ -218,19 +219,13 @@ def _waiting(snapshot: StateSnapshot) -> tuple[float | None, Mapping[str, Any]]:
     return (float(retry_at) if retry_at else None), step
 
 
-def _has_work(snapshot: StateSnapshot) -> bool:
-    # ``next`` alone is not enough (see runner._has_work): after a crash between a task's
-    # writes and the next checkpoint ``next`` can be empty while ``tasks`` holds the task.
-    return bool(snapshot.next or snapshot.tasks)
-
-
 def needs_recovery(snapshot: StateSnapshot, now: float) -> bool:
     """Whether an unleased thread in this state should be resumed at ``now``.
 
     It should when work is left, no person is asked anything, and it is not parked in
     ``waiting_tool`` with a ``retry_at`` still ahead.
     """
-    if snapshot.interrupts or not _has_work(snapshot):
+    if snapshot.interrupts or not has_work(snapshot):
         return False
     retry_at, _ = _waiting(snapshot)
     return retry_at is None or retry_at <= now
@@ -274,7 +269,7 @@ def classify(thread_id: str, snapshot: StateSnapshot, *, agent: str, now: float)
     checkpoint_id = _checkpoint_id(snapshot)
     if snapshot.interrupts:
         return ThreadHealth(thread_id, ThreadStatus.TAKEOVER, checkpoint_id)
-    if not _has_work(snapshot):
+    if not has_work(snapshot):
         return ThreadHealth(thread_id, ThreadStatus.IDLE, checkpoint_id)
     retry_at, _ = _waiting(snapshot)
     if retry_at is not None:

@@ -75,8 +75,10 @@ __all__ = [
     "abefore_run",
     "areconcile_orphans",
     "before_run",
+    "has_work",
     "orphan_intents",
     "reconcile_orphans",
+    "refuse_takeover",
 ]
 
 MAX_ROUNDS = 4
@@ -243,17 +245,10 @@ def _skip(graph: Any, config: RunnableConfig, input: Any) -> bool:
     return bool(conf.get("checkpoint_ns")) or not conf.get("thread_id")
 
 
-def _refuse_takeover(thread_id: str, snapshot: StateSnapshot) -> None:
-    if not snapshot.interrupts:
-        return
-    ids = [i.id for i in snapshot.interrupts]
-    err = PendingTakeover(thread_id, ids)
-    err.args = (
-        f"thread {thread_id!r} waits on a person's decision (pending takeover "
-        f"{', '.join(ids)}); new input was not run. Answer it first with "
-        f"tp.decide(graph, {thread_id!r}, tp.Decision(...)) (or `taskpilots decide`)",
-    )
-    raise err
+def refuse_takeover(thread_id: str, snapshot: StateSnapshot) -> None:
+    """Raise :class:`PendingTakeover` if the thread waits on a person's decision."""
+    if snapshot.interrupts:
+        raise PendingTakeover(thread_id, [i.id for i in snapshot.interrupts])
 
 
 def _refuse_uncertain(
@@ -295,9 +290,12 @@ def _retry_at(snapshot: StateSnapshot, events: Sequence[Event]) -> float | None:
     return float(due) if isinstance(due, int | float) else None
 
 
-def _has_work(snapshot: StateSnapshot) -> bool:
-    # `next` alone is not enough: after a crash between a task's writes and the next
-    # checkpoint, `next` can be empty while `tasks` still holds the finished task.
+def has_work(snapshot: StateSnapshot) -> bool:
+    """Whether a stopped run left work in ``snapshot`` (``invoke(None)`` continues it).
+
+    ``next`` alone is not enough: after a crash between a task's writes and the next
+    checkpoint, ``next`` can be empty while ``tasks`` still holds the finished task.
+    """
     return bool(snapshot.next or snapshot.tasks)
 
 
@@ -395,8 +393,8 @@ def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
     due: float | None = None
     snapshot = graph.get_state(config)
     for _ in range(MAX_ROUNDS):
-        _refuse_takeover(thread_id, snapshot)
-        if not _has_work(snapshot):
+        refuse_takeover(thread_id, snapshot)
+        if not has_work(snapshot):
             break
         due = _retry_at(snapshot, cp.events(thread_id) if _waits_in_log(snapshot) else ())
         if due is not None and due > _clock.now():
@@ -411,7 +409,7 @@ def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
         if orphan_intents(entries):
             reconcile_orphans(graph, cp, thread_id)
             entries = cp.ledger(thread_id)
-    _refuse_takeover(thread_id, snapshot)
+    refuse_takeover(thread_id, snapshot)
     if _any_uncertain(entries):
         _refuse_uncertain(thread_id, entries, cp.events(thread_id))
     answers, closed = _open_calls(snapshot, due)
@@ -431,8 +429,8 @@ async def abefore_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
     due: float | None = None
     snapshot = await graph.aget_state(config)
     for _ in range(MAX_ROUNDS):
-        _refuse_takeover(thread_id, snapshot)
-        if not _has_work(snapshot):
+        refuse_takeover(thread_id, snapshot)
+        if not has_work(snapshot):
             break
         log = await cp.aevents(thread_id) if _waits_in_log(snapshot) else ()
         due = _retry_at(snapshot, log)
@@ -450,7 +448,7 @@ async def abefore_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
         if orphan_intents(entries):
             await areconcile_orphans(graph, cp, thread_id)
             entries = await cp.aledger(thread_id)
-    _refuse_takeover(thread_id, snapshot)
+    refuse_takeover(thread_id, snapshot)
     if _any_uncertain(entries):
         _refuse_uncertain(thread_id, entries, await cp.aevents(thread_id))
     answers, closed = _open_calls(snapshot, due)

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from taskpilots_graph.guard import held_here
 from taskpilots_graph.ledger import LedgerEntry, runner_of
 from taskpilots_graph.locks.base import (
     Lease,
@@ -27,7 +28,6 @@ from taskpilots_graph.locks.base import (
     poll_delay,
     thread_lease_name,
 )
-from taskpilots_graph.locks.hold import current_thread_hold
 from taskpilots_graph.nodes._protocol import Awaited, AwaitOwner, in_flight
 
 __all__ = ["aawait_owner", "await_owner"]
@@ -36,11 +36,6 @@ __all__ = ["aawait_owner", "await_owner"]
 def _live(lease: Lease | None) -> Lease | None:
     """``lease`` unless its holder is a process of this machine that is gone (SIGKILL)."""
     return None if lease is None or holder_died(lease.owner) else lease
-
-
-def _ours(name: str) -> bool:
-    held = current_thread_hold()
-    return held is not None and not held.released and held.name == name
 
 
 def await_owner(
@@ -52,8 +47,9 @@ def await_owner(
 ) -> Awaited:
     """Wait (sync) while another runner holds the lease of the entry's thread."""
     entry = request.entry
-    name = thread_lease_name(runner_of(entry))
-    if _ours(name):
+    runner = runner_of(entry)
+    name = thread_lease_name(runner)
+    if held_here(runner) is not None:
         return Awaited(entry)  # our own thread's intent: its writer crashed, we hold it now
     owner = _live(backend.holder(name))
     if owner is None:
@@ -82,8 +78,9 @@ async def aawait_owner(
 ) -> Awaited:
     """Async form of :func:`await_owner`."""
     entry = request.entry
-    name = thread_lease_name(runner_of(entry))
-    if _ours(name):
+    runner = runner_of(entry)
+    name = thread_lease_name(runner)
+    if held_here(runner) is not None:
         return Awaited(entry)
     owner = _live(await backend.aholder(name))
     if owner is None:
