@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -136,4 +136,14 @@ def cp(conn_string: str) -> Iterator[Any]:
 
     with RecoveryCheckpointer.from_conn_string(conn_string) as saver:
         saver.setup()
+        yield saver
+
+
+@pytest.fixture
+async def acp(conn_string: str) -> AsyncIterator[Any]:
+    """A set-up ``AsyncRecoveryCheckpointer`` on the test's database."""
+    from taskpilots_graph import AsyncRecoveryCheckpointer
+
+    async with AsyncRecoveryCheckpointer.from_conn_string(conn_string) as saver:
+        await saver.setup()
         yield saver

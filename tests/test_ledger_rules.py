@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Annotated, Any
@@ -162,13 +162,6 @@ class ClerkModel(ScriptedChatModel):
 @pytest.fixture
 def courier(tmp_path: Path) -> Courier:
     return Courier(tmp_path / "courier.db")
-
-
-@pytest.fixture
-async def acp(conn_string: str) -> AsyncIterator[tp.AsyncRecoveryCheckpointer]:
-    async with tp.AsyncRecoveryCheckpointer.from_conn_string(conn_string) as saver:
-        await saver.setup()
-        yield saver
 
 
 def build(form: str, cp: Any, tools: list[BaseTool], model: ClerkModel) -> Any:

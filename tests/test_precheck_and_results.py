@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,6 @@ def _no_backoff() -> Iterator[None]:
 @pytest.fixture
 def courier(tmp_path: Path) -> Courier:
     return Courier(tmp_path / "courier.db")
-
-
-@pytest.fixture
-async def acp(conn_string: str) -> AsyncIterator[tp.AsyncRecoveryCheckpointer]:
-    async with tp.AsyncRecoveryCheckpointer.from_conn_string(conn_string) as saver:
-        await saver.setup()
-        yield saver
 
 
 @pytest.fixture

@@ -482,14 +482,17 @@ def _agent(form: str, cp: Any, model: TravelModel, tools: list[Any]) -> Any:
 
 
 def _run_through(entry: str, graph: Any, thread_id: str) -> Any:
-    """The same command, as ``tp.run`` or as LangGraph's own ``invoke``."""
+    """The same command, as ``tp.run`` or as LangGraph's own ``invoke`` / ``stream``."""
     if entry == "tp.run":
         return tp.run(graph, thread_id, START, durability="sync")
     config = {"configurable": {"thread_id": thread_id}}
+    if entry == "stream":
+        *_, last = graph.stream(START, config, durability="sync", stream_mode="values")
+        return last
     return graph.invoke(START, config, durability="sync")
 
 
-@pytest.mark.parametrize("entry", ["tp.run", "invoke"])
+@pytest.mark.parametrize("entry", ["tp.run", "invoke", "stream"])
 @pytest.mark.parametrize("form", ["recovery_agent", "create_agent"])
 def test_the_same_command_after_a_crash_in_both_forms(
     form: str, entry: str, sqlite_path: str, desk: TravelDesk
@@ -509,7 +512,7 @@ def test_the_same_command_after_a_crash_in_both_forms(
         assert out["messages"][-1].content == "Your trip is booked."
 
 
-@pytest.mark.parametrize("entry", ["tp.arun", "ainvoke"])
+@pytest.mark.parametrize("entry", ["tp.arun", "ainvoke", "astream"])
 @pytest.mark.parametrize("form", ["recovery_agent", "create_agent"])
 def test_the_same_command_after_a_crash_async(
     form: str, entry: str, sqlite_path: str, desk: TravelDesk
@@ -518,6 +521,12 @@ def test_the_same_command_after_a_crash_async(
         if entry == "tp.arun":
             return await tp.arun(graph, "trip-acrash", START, durability="sync")
         config = {"configurable": {"thread_id": "trip-acrash"}}
+        if entry == "astream":
+            chunks = [
+                c
+                async for c in graph.astream(START, config, durability="sync", stream_mode="values")
+            ]
+            return chunks[-1]
         return await graph.ainvoke(START, config, durability="sync")
 
     async def scenario() -> None:

@@ -39,16 +39,33 @@ def build(form: str, model: ConversationModel, cp: Any, pharmacy: Pharmacy) -> A
     return create_agent(model, tools, checkpointer=cp, middleware=[RecoveryMiddleware(cp)])
 
 
+def run(entry: str, agent: Any, thread_id: str, text: str) -> None:
+    """One user message, through ``tp.run`` or LangGraph's own ``invoke`` / ``stream``."""
+    config: Any = {"recursion_limit": 60}
+    message = {"messages": [("user", text)]}
+    if entry == "tp.run":
+        tp.run(agent, thread_id, message, config=config)
+        return
+    config["configurable"] = {"thread_id": thread_id}
+    if entry == "stream":
+        for _ in agent.stream(message, config):
+            pass
+        return
+    agent.invoke(message, config)
+
+
+@pytest.mark.parametrize("entry", ["invoke", "stream", "tp.run"])
 @pytest.mark.parametrize("form", FORMS)
 def test_a_model_reading_only_its_conversation_performs_each_effect_once(
-    form: str, cp: Any, pharmacy: Pharmacy
+    form: str, entry: str, cp: Any, pharmacy: Pharmacy
 ) -> None:
     model = ConversationModel(plan=PLAN)
     agent = build(form, model, cp, pharmacy)
-    config = {"configurable": {"thread_id": f"rx-{form}"}, "recursion_limit": 60}
-    # A run that stops (stuck, a person asked) is fine here; a repeated effect is not.
-    with contextlib.suppress(tp.TaskPilotsError, GraphRecursionError):
-        agent.invoke({"messages": [("user", "fill the prescription of p-7")]}, config)
+    # A run that stops (stuck, a person asked) is fine here; a repeated effect is not. The
+    # same command twice: the second meets the first's committed effects.
+    for _ in range(2):
+        with contextlib.suppress(tp.TaskPilotsError, GraphRecursionError):
+            run(entry, agent, f"rx-{form}", "fill the prescription of p-7")
     counts = {s: pharmacy.count(s) for s in ("dispense", "charge", "message")}
     # The default memory window may take earlier turns out of the model's view, so the
     # model re-plans them; the ledger answers those repeats instead of the pharmacy.
