@@ -309,7 +309,7 @@ def test_lock_without_lease_backend_is_enforced_in_the_checkpointers_database(
 
 def test_lock_name_split() -> None:
     """Split on the last ':'; without one the whole name is the object, the tool the operation."""
-    from taskpilots_graph.nodes.executor import lock_target
+    from taskpilots_graph.nodes._locks import lock_target
 
     assert lock_target("order-42:refund", "t") == ("order-42", "refund")
     assert lock_target("tenant:a:order-42:refund", "t") == ("tenant:a:order-42", "refund")

@@ -56,7 +56,7 @@ from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerStatus
 from taskpilots_graph.locks.base import Lease, LeaseBackend, new_owner, thread_lease_name
 from taskpilots_graph.locks.hold import hold
-from taskpilots_graph.nodes.executor import lock_target
+from taskpilots_graph.nodes._locks import lock_target
 from taskpilots_graph.threads import thread_info
 from taskpilots_graph.tools import spec_of
 

@@ -22,26 +22,21 @@ import contextlib
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from taskpilots_graph.guard import held_here
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 from taskpilots_graph.locks.hold import (
     AsyncHold,
     Hold,
-    abusiness_lock,
     ahold,
-    business_lock,
     hold,
     reset_thread_hold,
     set_thread_hold,
 )
-from taskpilots_graph.nodes.executor import lock_target
-from taskpilots_graph.tools import Invocation
 
-__all__ = ["CallLocks", "StepLeases"]
+__all__ = ["StepLeases"]
 
 _Key = tuple[str, str | None]
 
@@ -138,64 +133,3 @@ class StepLeases:
             done = self._release(key, shared)
             if done is not None:
                 await done()
-
-
-@dataclass
-class CallLocks:
-    """The business lock of one tool call through the middleware (driver state)."""
-
-    thread_id: str
-    ttl: float
-    fencing: int | None = None
-    _check: Callable[[], None] | None = None
-    _taken: set[str] = field(default_factory=set)
-
-    def _target(self, entry: LedgerEntry) -> tuple[str, str] | None:
-        # Once per lock name: a retry keeps the lock it holds, a fallback takes its own.
-        if entry.status is not LedgerStatus.INTENDED or not entry.lock or entry.lock in self._taken:
-            return None
-        self._taken.add(entry.lock)
-        return lock_target(entry.lock, entry.tool)
-
-    def before_write(
-        self, entry: LedgerEntry, backend: Callable[[], LeaseBackend], stack: contextlib.ExitStack
-    ) -> LedgerEntry:
-        """Take the entry's business lock before its first intent (raises if it cannot)."""
-        target = self._target(entry)
-        if target is not None:
-            held = stack.enter_context(
-                business_lock(backend(), *target, ttl=self.ttl, timeout=self.ttl)
-            )
-            self._check, self.fencing = held.check, held.fencing
-        return self.stamp(entry)
-
-    async def abefore_write(
-        self,
-        entry: LedgerEntry,
-        backend: Callable[[], Awaitable[LeaseBackend]],
-        stack: contextlib.AsyncExitStack,
-    ) -> LedgerEntry:
-        """Async form of :meth:`before_write`."""
-        target = self._target(entry)
-        if target is not None:
-            held = await stack.enter_async_context(
-                abusiness_lock(await backend(), *target, ttl=self.ttl, timeout=self.ttl)
-            )
-            self._check, self.fencing = held.check, held.fencing
-        return self.stamp(entry)
-
-    def stamp(self, entry: LedgerEntry) -> LedgerEntry:
-        if self.fencing is None or entry.extra.get("fencing") == self.fencing:
-            return entry
-        return replace(entry, extra={**entry.extra, "fencing": self.fencing})
-
-    def before_call(self, invocation: Invocation | None) -> Invocation | None:
-        """Check the thread lease and the business lock just before the tool runs."""
-        if invocation is None:
-            return None
-        held = held_here(self.thread_id)  # LeaseLost if the step's lease was lost
-        if held is not None:
-            held.check()
-        if self._check is not None:
-            self._check()
-        return invocation if self.fencing is None else replace(invocation, fencing=self.fencing)

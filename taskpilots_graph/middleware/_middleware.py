@@ -31,7 +31,7 @@ from taskpilots_graph.ledger import LedgerEntry
 from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.middleware._compensate import acompensate, compensate
 from taskpilots_graph.middleware._flow import Flow, tool_flow
-from taskpilots_graph.middleware._leases import CallLocks, StepLeases
+from taskpilots_graph.middleware._leases import StepLeases
 from taskpilots_graph.middleware._owner import check_middleware, middleware_chain
 from taskpilots_graph.middleware._requests import (
     Ask,
@@ -47,6 +47,7 @@ from taskpilots_graph.middleware._requests import (
 )
 from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
+from taskpilots_graph.nodes._locks import CallLocks
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
     AwaitOwner,
@@ -298,7 +299,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                             req = replace(
                                 req, entry=locks.before_write(req.entry, self.lease_backend, held)
                             )
-                        elif isinstance(req, CallTool):
+                        elif isinstance(req, CallTool) and req.invocation is not None:
                             req = replace(req, invocation=locks.before_call(req.invocation))
                         value = self._do(req, handler, pending)
                     except Exception as exc:  # handed to the flow, which lets control flow through
@@ -449,7 +450,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                         if isinstance(req, WriteEntry):
                             entry = await locks.abefore_write(req.entry, self.alease_backend, held)
                             req = replace(req, entry=entry)
-                        elif isinstance(req, CallTool):
+                        elif isinstance(req, CallTool) and req.invocation is not None:
                             req = replace(req, invocation=locks.before_call(req.invocation))
                         value = await self._ado(req, handler, pending)
                     except Exception as exc:

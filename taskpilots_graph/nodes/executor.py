@@ -24,7 +24,8 @@ else the checkpointer's own database:
   keeps it until the call is settled; the fencing token is stamped on every ledger write of
   the call (``extra["fencing"]``) and passed in ``current_invocation().fencing``. A lock that
   cannot be taken fails the call closed (nothing written, nothing run); see
-  :func:`~taskpilots_graph.nodes._protocol.lock_refused`.
+  :func:`~taskpilots_graph.nodes._protocol.lock_refused`. Both are carried out by
+  :class:`~taskpilots_graph.nodes._locks.CallLocks`, as in ``RecoveryMiddleware``.
 
 An ``intended`` entry found under the key of a new call is waited for while its writer's
 thread lease is held by another runner (:mod:`taskpilots_graph.nodes._await`): a live
@@ -65,17 +66,15 @@ from taskpilots_graph.errors import (
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.ledger import (
-    LedgerEntry,
-    LedgerStatus,
     SideEffectUncertain,
     Unknown,
     args_digest,
     default_key,
 )
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
-from taskpilots_graph.locks.hold import abusiness_lock, business_lock, current_thread_hold
+from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
+from taskpilots_graph.nodes._locks import CallLocks
 from taskpilots_graph.nodes._protocol import (
     SUMMARY_CHARS,
     AwaitOwner,
@@ -94,7 +93,6 @@ from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import (
-    Invocation,
     SideEffectTool,
     check_args,
     reset_invocation,
@@ -108,7 +106,6 @@ __all__ = [
     "acall_precheck",
     "call_precheck",
     "error_message",
-    "lock_target",
     "pending_calls",
     "tool_content",
 ]
@@ -117,48 +114,6 @@ __all__ = [
 STEP_RESULT_CHARS = 120
 """Bound on the result kept in a step record and in its ``step_completed`` event: the
 model saw the whole (or summarized) result, and ``tool_succeeded`` keeps a longer excerpt."""
-
-
-def lock_target(name: str, tool: str) -> tuple[str, str]:
-    """The (business object, operation) a ``lock=`` name stands for.
-
-    ``"order-42:refund"`` splits on its *last* ``:`` into ``("order-42", "refund")`` (so
-    object ids may contain ``:``); a name without a ``:`` (or with nothing on one side of
-    it) is the object id as a whole, and the operation is the tool's name.
-    """
-    object_id, sep, operation = name.rpartition(":")
-    if sep and object_id and operation:
-        return object_id, operation
-    return name, tool
-
-
-@dataclass
-class _Guard:
-    """The lease checks and the business lock of one side-effecting call (driver state)."""
-
-    ctx: CallContext
-    lock_name: str | None
-    started: bool = False
-    lock_check: Callable[[], None] | None = None  # the held business lock's ``check``
-    fencing: int | None = None
-
-    def check_thread(self) -> None:
-        held = current_thread_hold()
-        if held is not None and held.name == thread_lease_name(self.ctx.thread_id):
-            held.check()
-
-    def check_all(self) -> None:
-        self.check_thread()
-        if self.lock_check is not None:
-            self.lock_check()
-
-    def stamp(self, entry: LedgerEntry) -> LedgerEntry:
-        if self.fencing is None or entry.extra.get("fencing") == self.fencing:
-            return entry
-        return replace(entry, extra={**entry.extra, "fencing": self.fencing})
-
-    def invocation(self, inv: Invocation) -> Invocation:
-        return inv if self.fencing is None else replace(inv, fencing=self.fencing)
 
 
 def pending_calls(messages: Sequence[BaseMessage]) -> tuple[AIMessage | None, list[ToolCall]]:
@@ -580,18 +535,6 @@ class RecoveryExecutor:
         cp.defer_records(step.take_pending())
         return update
 
-    def _guard(self, item: _Call) -> _Guard:
-        spec = item.ctx.spec
-        lock_name: str | None = None
-        if spec is not None and spec.lock is not None:
-            lock_name = spec.lock(dict(item.ctx.args))
-        return _Guard(item.ctx, lock_name)
-
-    @staticmethod
-    def _lock_args(backend: LeaseBackend, guard: _Guard) -> tuple[LeaseBackend, str, str]:
-        assert guard.lock_name is not None
-        return (backend, *lock_target(guard.lock_name, guard.ctx.tool))
-
     def lease_backend(self) -> LeaseBackend:
         """Where thread leases and business locks live: the backend named with ``leases=``,
         else the checkpointer's own database (so ``lock=`` is always enforced)."""
@@ -606,7 +549,7 @@ class RecoveryExecutor:
     def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
         gen = run_call(item.ctx)
-        guard = self._guard(item)
+        guard = CallLocks(item.ctx.thread_id, self.lease_ttl)
         value: Any = None
         thrown: Exception | None = None
         with contextlib.ExitStack() as locks:
@@ -636,29 +579,14 @@ class RecoveryExecutor:
                         timeout=self.lease_ttl,
                     )
                 elif isinstance(request, WriteEntry):
-                    entry = request.entry
-                    if entry.status is LedgerStatus.INTENDED and not guard.started:
-                        # About to execute: the last point where nothing has happened yet.
-                        guard.started = True
-                        guard.check_thread()
-                        if guard.lock_name is not None:
-                            try:
-                                held = locks.enter_context(
-                                    business_lock(
-                                        *self._lock_args(self.lease_backend(), guard),
-                                        ttl=self.lease_ttl,
-                                        timeout=self.lease_ttl,
-                                    )
-                                )
-                            except (LockBackendUnavailable, ThreadBusy) as exc:
-                                gen.close()
-                                return _refused(step, item, exc, entry.attempt)
-                            guard.lock_check, guard.fencing = held.check, held.fencing
+                    try:
+                        entry = guard.before_write(request.entry, self.lease_backend, locks)
+                    except (LockBackendUnavailable, ThreadBusy) as exc:
+                        gen.close()
+                        return _refused(step, item, exc, request.entry.attempt)
                     events = [*step.take_pending(), request.event]
                     try:
-                        value = cp.write_ledger(
-                            guard.stamp(entry), expect=request.expect, events=events
-                        )
+                        value = cp.write_ledger(entry, expect=request.expect, events=events)
                     except LedgerConflict as exc:
                         step.pending[:0] = events[:-1]  # nothing was written: keep them
                         thrown = exc
@@ -667,9 +595,10 @@ class RecoveryExecutor:
                 elif isinstance(request, RunPrecheck):
                     value = call_precheck(item.ctx, request)
                 else:
+                    invocation = request.invocation
                     if item.ctx.spec is not None:
-                        guard.check_all()
-                    token = set_invocation(guard.invocation(request.invocation))
+                        invocation = guard.before_call(invocation)
+                    token = set_invocation(invocation)
                     try:
                         value = _target(item.tool).invoke(dict(item.ctx.args), config)
                     except Exception as exc:
@@ -723,7 +652,7 @@ class RecoveryExecutor:
     async def _adrive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
         cp = self.checkpointer
         gen = run_call(item.ctx)
-        guard = self._guard(item)
+        guard = CallLocks(item.ctx.thread_id, self.lease_ttl)
         value: Any = None
         thrown: Exception | None = None
         async with contextlib.AsyncExitStack() as locks:
@@ -753,28 +682,14 @@ class RecoveryExecutor:
                         timeout=self.lease_ttl,
                     )
                 elif isinstance(request, WriteEntry):
-                    entry = request.entry
-                    if entry.status is LedgerStatus.INTENDED and not guard.started:
-                        guard.started = True
-                        guard.check_thread()
-                        if guard.lock_name is not None:
-                            try:
-                                held = await locks.enter_async_context(
-                                    abusiness_lock(
-                                        *self._lock_args(await self.alease_backend(), guard),
-                                        ttl=self.lease_ttl,
-                                        timeout=self.lease_ttl,
-                                    )
-                                )
-                            except (LockBackendUnavailable, ThreadBusy) as exc:
-                                gen.close()
-                                return _refused(step, item, exc, entry.attempt)
-                            guard.lock_check, guard.fencing = held.check, held.fencing
+                    try:
+                        entry = await guard.abefore_write(request.entry, self.alease_backend, locks)
+                    except (LockBackendUnavailable, ThreadBusy) as exc:
+                        gen.close()
+                        return _refused(step, item, exc, request.entry.attempt)
                     events = [*step.take_pending(), request.event]
                     try:
-                        value = await cp.awrite_ledger(
-                            guard.stamp(entry), expect=request.expect, events=events
-                        )
+                        value = await cp.awrite_ledger(entry, expect=request.expect, events=events)
                     except LedgerConflict as exc:
                         step.pending[:0] = events[:-1]
                         thrown = exc
@@ -783,9 +698,10 @@ class RecoveryExecutor:
                 elif isinstance(request, RunPrecheck):
                     value = await acall_precheck(item.ctx, request)
                 else:
+                    invocation = request.invocation
                     if item.ctx.spec is not None:
-                        guard.check_all()
-                    token = set_invocation(guard.invocation(request.invocation))
+                        invocation = guard.before_call(invocation)
+                    token = set_invocation(invocation)
                     try:
                         value = await _target(item.tool).ainvoke(dict(item.ctx.args), config)
                     except Exception as exc:
