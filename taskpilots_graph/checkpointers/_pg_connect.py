@@ -338,13 +338,41 @@ def _retryable(exc: StorageError) -> bool:
     )
 
 
+class _NoLock:
+    """Stands in for ``PostgresSaver``'s per-instance lock where there is nothing to guard.
+
+    LangGraph's sync saver takes one ``threading.Lock`` around every call, so that a single
+    shared ``Connection`` is never used by two threads at once. Over a pool each call checks
+    out a connection of its own, and the lock would only serialise a worker's threads
+    (``--concurrency > 1``) on one saver.
+    """
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
+
+
 class PooledPostgresSaver(PostgresSaver):
     """``PostgresSaver`` whose failures are typed, and whose lost calls are retried once.
 
     Its reads and its writes (upserts keyed by the checkpoint id: idempotent) are retried
     once when the connection was lost mid-call, e.g. by a server restart; the pool's check
-    on checkout hands the retry a live connection.
+    on checkout hands the retry a live connection. Over a pool, calls from several threads
+    run at once, each on its own connection (see :class:`_NoLock`).
     """
+
+    def __init__(self, conn: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(conn, *args, **kwargs)
+        if isinstance(conn, ConnectionPool):
+            self.lock = _NoLock()  # type: ignore[assignment]  # same protocol as Lock
 
     @contextmanager
     def _cursor(self, *, pipeline: bool = False) -> Iterator[Any]:

@@ -57,6 +57,7 @@ from taskpilots_graph.nodes._protocol import (
 from taskpilots_graph.nodes.executor import error_message, tool_content
 from taskpilots_graph.nodes.router import describe
 from taskpilots_graph.nodes.takeover import _ledger_move, _user, build_request
+from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.recovery import Action, decide_recovery
 from taskpilots_graph.takeover import parse_decision
 from taskpilots_graph.tools import check_args, spec_of
@@ -165,7 +166,9 @@ class _Call:
     def name(self) -> str:
         return self.request.tool_call["name"]
 
-    def context(self) -> CallContext:
+    def context(self, policy: ToolPolicy) -> CallContext:
+        """The call as the ledger protocol sees it, with the same user rules and drift
+        settings the recovery agent's executor gives it."""
         tool = self.tools.get(self.using)
         spec = spec_of(tool) if tool is not None else None
         key = (
@@ -187,6 +190,11 @@ class _Call:
             tool_call_id=self.call_id,
             spec=spec,
             key=key,
+            rules=tuple(policy.rules),
+            confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
+            drift_comparator=(spec.drift_comparator if spec is not None else None)
+            or policy.drift_comparator,
+            attempt=self.attempts + 1,
         )
 
     def tool_request(self) -> ToolCallRequest:
@@ -235,7 +243,7 @@ def tool_flow(
         return answer
     recorded = False
     while True:
-        call_ctx = state.context()
+        call_ctx = state.context(settings.policy(state.using))
         if call_ctx.spec is not None and ctx.durability != "sync" and not recorded:
             recorded = True
             yield from _record_decision(state)

@@ -1,0 +1,202 @@
+"""The two agent forms decide alike about the same tool call.
+
+``create_recovery_agent`` and ``create_agent`` + ``RecoveryMiddleware`` are given the same
+tools, the same policies and the same scripted model; each scenario then compares how often
+each tool body ran, the ledger each form left, and the sequence of tool-level events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from _models import PlanModel
+from langchain.agents import create_agent
+from langchain_core.tools import BaseTool, tool
+
+import taskpilots_graph as tp
+from taskpilots_graph.events import EventKind
+from taskpilots_graph.middleware import RecoveryMiddleware
+from taskpilots_graph.testing import fake_clock
+
+# Events about one tool call that both forms write (the forms differ in model-side events).
+TOOL_EVENTS = {
+    EventKind.TOOL_INVOKED,
+    EventKind.TOOL_SUCCEEDED,
+    EventKind.TOOL_FAILED,
+    EventKind.RETRY_SCHEDULED,
+    EventKind.DEGRADED,
+    EventKind.TAKEOVER_REQUESTED,
+}
+
+
+class Jammed(Exception):
+    """A failure the user declares fatal, whatever the default taxonomy says."""
+
+
+@dataclass
+class Scenario:
+    """Tools (built fresh per form, counting their calls), policies and the model's plan."""
+
+    plan: list[tuple[str, dict[str, Any]]]
+    tools: Callable[[dict[str, int]], list[BaseTool]]
+    policies: dict[str, tp.ToolPolicy] = field(default_factory=dict)
+
+
+def _jammed_printer(calls: dict[str, int]) -> list[BaseTool]:
+    @tool
+    def print_label(order: str) -> str:
+        """Print a shipping label."""
+        calls["print_label"] = calls.get("print_label", 0) + 1
+        raise Jammed("the printer is jammed")
+
+    return [print_label]
+
+
+def _flaky_lookup(calls: dict[str, int]) -> list[BaseTool]:
+    @tool
+    def lookup(sku: str) -> str:
+        """Look a product up."""
+        calls["lookup"] = calls.get("lookup", 0) + 1
+        raise ConnectionResetError("reset by peer")
+
+    return [lookup]
+
+
+def _outage_with_fallback(calls: dict[str, int]) -> list[BaseTool]:
+    @tool
+    def quote_primary(weight: int) -> str:
+        """Quote a carrier price."""
+        calls["quote_primary"] = calls.get("quote_primary", 0) + 1
+        raise ConnectionRefusedError("carrier API down")
+
+    @tool
+    def quote_backup(weight: int) -> str:
+        """Quote a carrier price from the backup carrier."""
+        calls["quote_backup"] = calls.get("quote_backup", 0) + 1
+        return f"{weight * 2} EUR"
+
+    return [quote_primary, quote_backup]
+
+
+def _effect_then_read(calls: dict[str, int]) -> list[BaseTool]:
+    @tp.side_effect(idempotent=True)
+    @tool
+    def book_slot(day: str) -> str:
+        """Book a delivery slot."""
+        calls["book_slot"] = calls.get("book_slot", 0) + 1
+        return f"slot on {day}"
+
+    return [book_slot]
+
+
+FAST = tp.Backoff(initial=0.01, jitter=False)
+SCENARIOS = {
+    "user rule says fatal": Scenario(
+        plan=[("print_label", {"order": "A-1"})],
+        tools=_jammed_printer,
+        policies={
+            "print_label": tp.ToolPolicy(
+                max_attempts=3, backoff=FAST, rules=[(Jammed, tp.FailureKind.FATAL)]
+            )
+        },
+    ),
+    "transient until attempts run out": Scenario(
+        plan=[("lookup", {"sku": "S-9"})],
+        tools=_flaky_lookup,
+        policies={"lookup": tp.ToolPolicy(max_attempts=3, backoff=FAST)},
+    ),
+    "outage degrades to the fallback": Scenario(
+        plan=[("quote_primary", {"weight": 3})],
+        tools=_outage_with_fallback,
+        policies={
+            "quote_primary": tp.ToolPolicy(
+                max_attempts=2, backoff=FAST, wait_window=0.0, fallback=("quote_backup",)
+            )
+        },
+    ),
+    "a side effect, twice in the plan": Scenario(
+        plan=[("book_slot", {"day": "mon"}), ("book_slot", {"day": "mon"})],
+        tools=_effect_then_read,
+    ),
+}
+
+
+@dataclass
+class Outcome:
+    calls: dict[str, int]
+    ledger: list[tuple[str, str]]
+    events: list[tuple[str, str]]
+    failed: bool
+    """The run failed: the middleware raises the tool's error out of ``invoke``, the
+    recovery agent ends with its flow stage ``failed`` (its state says why)."""
+
+
+def _run(form: str, scenario: Scenario, cp: tp.RecoveryCheckpointer, thread_id: str) -> Outcome:
+    calls: dict[str, int] = {}
+    tools = scenario.tools(calls)
+    model = PlanModel(plan=scenario.plan)
+    if form == "recovery agent":
+        graph: Any = tp.create_recovery_agent(
+            model, tools, checkpointer=cp, policies=scenario.policies
+        )
+    else:
+        graph = create_agent(
+            model,
+            tools,
+            checkpointer=cp,
+            middleware=[RecoveryMiddleware(cp, policies=scenario.policies)],
+        )
+    failed = False
+    with fake_clock():
+        try:
+            out = graph.invoke(
+                {"messages": [("user", "go")]}, {"configurable": {"thread_id": thread_id}}
+            )
+        except Exception as exc:
+            failed = form == "middleware" and isinstance(exc, (Jammed, ConnectionError))
+            if not failed:
+                raise
+        else:
+            failed = (out.get("flow") or {}).get("stage") == "failed"
+    return Outcome(
+        calls=calls,
+        ledger=sorted((e.tool, e.status.value) for e in cp.ledger(thread_id)),
+        events=[
+            (e.kind.value, str(e.payload.get("using") or e.payload.get("tool")))
+            for e in cp.events(thread_id)
+            if e.kind in TOOL_EVENTS
+        ],
+        failed=failed,
+    )
+
+
+@pytest.fixture
+def cp(sqlite_path: str) -> Iterator[tp.RecoveryCheckpointer]:
+    with tp.RecoveryCheckpointer.from_conn_string(sqlite_path) as saver:
+        saver.setup()
+        yield saver
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_both_forms_decide_alike(name: str, cp: tp.RecoveryCheckpointer) -> None:
+    scenario = SCENARIOS[name]
+    agent = _run("recovery agent", scenario, cp, "forms-agent")
+    middleware = _run("middleware", scenario, cp, "forms-middleware")
+    assert middleware.calls == agent.calls
+    assert middleware.ledger == agent.ledger
+    assert middleware.events == agent.events
+    assert middleware.failed == agent.failed
+
+
+def test_a_fatal_user_rule_stops_after_one_call(cp: tp.RecoveryCheckpointer) -> None:
+    """The rule the two forms once disagreed on: a user's FATAL rule wins over retries."""
+    scenario = SCENARIOS["user rule says fatal"]
+    for form, thread_id in (("recovery agent", "fatal-a"), ("middleware", "fatal-m")):
+        outcome = _run(form, scenario, cp, thread_id)
+        assert outcome.calls == {"print_label": 1}, form
+        assert outcome.failed, form
+        failed = [e for e in cp.events(thread_id) if e.kind is EventKind.TOOL_FAILED]
+        assert [e.payload["failure"]["kind"] for e in failed] == ["fatal"], form
