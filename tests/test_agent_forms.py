@@ -29,11 +29,16 @@ TOOL_EVENTS = {
     EventKind.RETRY_SCHEDULED,
     EventKind.DEGRADED,
     EventKind.TAKEOVER_REQUESTED,
+    EventKind.STUCK_DETECTED,
 }
 
 
 class Jammed(Exception):
     """A failure the user declares fatal, whatever the default taxonomy says."""
+
+
+class Unreadable(Exception):
+    """The service answered in a shape the tool does not understand (a contract failure)."""
 
 
 @dataclass
@@ -81,6 +86,16 @@ def _outage_with_fallback(calls: dict[str, int]) -> list[BaseTool]:
     return [quote_primary, quote_backup]
 
 
+def _unreadable_feed(calls: dict[str, int]) -> list[BaseTool]:
+    @tool
+    def read_feed(feed: str) -> str:
+        """Read a supplier's stock feed."""
+        calls["read_feed"] = calls.get("read_feed", 0) + 1
+        raise Unreadable("the feed is not JSON")
+
+    return [read_feed]
+
+
 def _effect_then_read(calls: dict[str, int]) -> list[BaseTool]:
     @tp.side_effect(idempotent=True)
     @tool
@@ -114,6 +129,15 @@ SCENARIOS = {
         policies={
             "quote_primary": tp.ToolPolicy(
                 max_attempts=2, backoff=FAST, wait_window=0.0, fallback=("quote_backup",)
+            )
+        },
+    ),
+    "the model repeats a call that keeps failing": Scenario(
+        plan=[("read_feed", {"feed": "north"})] * 4,
+        tools=_unreadable_feed,
+        policies={
+            "read_feed": tp.ToolPolicy(
+                backoff=FAST, stuck_after=3, rules=[(Unreadable, tp.FailureKind.CONTRACT)]
             )
         },
     ),
@@ -189,6 +213,16 @@ def test_both_forms_decide_alike(name: str, cp: tp.RecoveryCheckpointer) -> None
     assert middleware.ledger == agent.ledger
     assert middleware.events == agent.events
     assert middleware.failed == agent.failed
+
+
+def test_a_repeated_failure_is_stuck_in_both_forms(cp: tp.RecoveryCheckpointer) -> None:
+    """The third call failing the same way goes to a person instead of to the model."""
+    scenario = SCENARIOS["the model repeats a call that keeps failing"]
+    for form, thread_id in (("recovery agent", "stuck-a"), ("middleware", "stuck-m")):
+        outcome = _run(form, scenario, cp, thread_id)
+        assert outcome.calls == {"read_feed": 3}, form
+        kinds = [kind for kind, _ in outcome.events]
+        assert kinds[-2:] == ["stuck_detected", "takeover_requested"], form
 
 
 def test_a_fatal_user_rule_stops_after_one_call(cp: tp.RecoveryCheckpointer) -> None:

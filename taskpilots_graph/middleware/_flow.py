@@ -67,6 +67,9 @@ __all__ = ["DECISIONS", "Answer", "Flow", "tool_flow"]
 DECISIONS = "middleware_decisions"
 """Key in ``LedgerEntry.extra``: ``{task namespace: decisions applied}`` (see the module)."""
 
+FAILURE_MARK = "taskpilots_failure"
+"""Key in an error answer's ``artifact``: the failure's signature (tool, kind, error type)."""
+
 SKIPPED = "Skipped by a person; do not call it again."
 ABANDONED = (
     "Abandoned by a person: committed side effects were undone where possible. "
@@ -291,6 +294,7 @@ def _recover(
     chain = settings.policy(state.name).fallback
     tried = [*state.tried, state.using]
     next_fallback = next((t for t in chain if t not in tried), None)
+    signature = f"{state.using}|{failure.kind}|{failure.error_type}"
     decision = decide_recovery(
         kind=failure.kind,
         policy=policy,
@@ -299,6 +303,7 @@ def _recover(
         now=now,
         retry_after=failure.retry_after,
         next_fallback=next_fallback,
+        signature_count=_signature_count(state, signature),
         rng=settings.rng,
     )
     base = {
@@ -309,6 +314,8 @@ def _recover(
         "failure_kind": failure.kind.value,
     }
     action = decision.action
+    if decision.stuck:
+        yield WriteEvent(_event(state.ctx, EventKind.STUCK_DETECTED, **base))
     if action is Action.RETRY:
         assert decision.retry_at is not None
         retry = _event(state.ctx, EventKind.RETRY_SCHEDULED, retry_at=decision.retry_at, **base)
@@ -333,15 +340,37 @@ def _recover(
         return None
     if action is Action.REPORT:
         if isinstance(outcome.error, ErrorAnswer):
-            return outcome.error.answer
-        text = f"{describe(failure_payload(failure))} ({decision.reason})"
-        return error_message(state.request.tool_call, text)
+            answer = outcome.error.answer
+        else:
+            text = f"{describe(failure_payload(failure))} ({decision.reason})"
+            answer = error_message(state.request.tool_call, text)
+        # The mark lets a later call of the same tool count this failure (stuck detection)
+        # from the conversation itself; the model does not see artifacts.
+        return answer.model_copy(update={"artifact": {FAILURE_MARK: signature}})
     if action in (Action.FAIL, Action.COMPENSATE):
         if action is Action.COMPENSATE:
             yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
         yield Flush()
         raise outcome.error
     return (yield from _takeover(state, call_ctx, failure, decision.reason, base))
+
+
+def _signature_count(state: _Call, signature: str) -> int:
+    """How many tool calls of the conversation failed this way, this one included.
+
+    The recovery agent counts signatures in its flow state; here the error answers of
+    earlier calls carry them (``FAILURE_MARK``). Retries of one call count once.
+    """
+    messages = (state.request.state or {}).get("messages") or []
+    earlier = {
+        m.tool_call_id
+        for m in messages
+        if isinstance(m, ToolMessage)
+        and isinstance(m.artifact, dict)
+        and m.artifact.get(FAILURE_MARK) == signature
+        and m.tool_call_id != state.call_id
+    }
+    return len(earlier) + 1
 
 
 def _takeover(
