@@ -30,6 +30,10 @@ TOOL_EVENTS = {
     EventKind.DEGRADED,
     EventKind.TAKEOVER_REQUESTED,
     EventKind.STUCK_DETECTED,
+    EventKind.DECISION_RECORDED,
+    EventKind.COMPENSATED,
+    EventKind.EFFECT_UNCERTAIN,
+    EventKind.REPEAT_CAUGHT,
 }
 
 
@@ -48,6 +52,8 @@ class Scenario:
     plan: list[tuple[str, dict[str, Any]]]
     tools: Callable[[dict[str, int]], list[BaseTool]]
     policies: dict[str, tp.ToolPolicy] = field(default_factory=dict)
+    decision: tp.Decision | None = None
+    """A person's answer to the takeover the run stops on, if any."""
 
 
 def _jammed_printer(calls: dict[str, int]) -> list[BaseTool]:
@@ -96,6 +102,31 @@ def _unreadable_feed(calls: dict[str, int]) -> list[BaseTool]:
     return [read_feed]
 
 
+def _lost_reply(calls: dict[str, int]) -> list[BaseTool]:
+    """A refund whose first reply is lost after the refund was made; a booking before it."""
+
+    def undo_booking(key: str, args: dict[str, Any], result: Any) -> None:
+        calls["undo_booking"] = calls.get("undo_booking", 0) + 1
+
+    @tp.side_effect(compensate=undo_booking)
+    @tool
+    def book_courier(order: str) -> str:
+        """Book a courier for an order."""
+        calls["book_courier"] = calls.get("book_courier", 0) + 1
+        return f"courier for {order}"
+
+    @tp.side_effect()
+    @tool
+    def refund(order: str, amount: int) -> str:
+        """Refund an order."""
+        calls["refund"] = calls.get("refund", 0) + 1
+        if calls["refund"] == 1:
+            raise TimeoutError("the reply never came")
+        return f"refunded {amount} on {order}"
+
+    return [book_courier, refund]
+
+
 def _effect_then_read(calls: dict[str, int]) -> list[BaseTool]:
     @tp.side_effect(idempotent=True)
     @tool
@@ -141,6 +172,20 @@ SCENARIOS = {
             )
         },
     ),
+    **{
+        f"an uncertain refund, then {decision.action}": Scenario(
+            plan=[("book_courier", {"order": "B-7"}), ("refund", {"order": "B-7", "amount": 40})],
+            tools=_lost_reply,
+            decision=decision,
+        )
+        for decision in (
+            tp.Decision(action="retry"),
+            tp.Decision(action="skip"),
+            tp.Decision(action="provide_result", result="refunded 40 on B-7"),
+            tp.Decision(action="edit_args", args={"order": "B-7", "amount": 30}),
+            tp.Decision(action="abandon"),
+        )
+    },
     "a side effect, twice in the plan": Scenario(
         plan=[("book_slot", {"day": "mon"}), ("book_slot", {"day": "mon"})],
         tools=_effect_then_read,
@@ -185,6 +230,8 @@ def _run(form: str, scenario: Scenario, cp: tp.RecoveryCheckpointer, thread_id: 
                 raise
         else:
             failed = (out.get("flow") or {}).get("stage") == "failed"
+        if scenario.decision is not None:
+            tp.decide(graph, thread_id, scenario.decision)
     return Outcome(
         calls=calls,
         ledger=sorted((e.tool, e.status.value) for e in cp.ledger(thread_id)),
@@ -234,3 +281,25 @@ def test_a_fatal_user_rule_stops_after_one_call(cp: tp.RecoveryCheckpointer) -> 
         assert outcome.failed, form
         failed = [e for e in cp.events(thread_id) if e.kind is EventKind.TOOL_FAILED]
         assert [e.payload["failure"]["kind"] for e in failed] == ["fatal"], form
+
+
+@pytest.mark.parametrize(
+    ("action", "expected"),
+    [
+        ("retry", {"book_courier": 1, "refund": 2}),
+        ("skip", {"book_courier": 1, "refund": 1}),
+        ("provide_result", {"book_courier": 1, "refund": 1}),
+        ("edit_args", {"book_courier": 1, "refund": 2}),
+        ("abandon", {"book_courier": 1, "refund": 1, "undo_booking": 1}),
+    ],
+)
+def test_each_decision_does_what_it_says_in_both_forms(
+    action: str, expected: dict[str, int], cp: tp.RecoveryCheckpointer
+) -> None:
+    scenario = SCENARIOS[f"an uncertain refund, then {action}"]
+    for form, thread_id in (("recovery agent", "d-a"), ("middleware", "d-m")):
+        outcome = _run(form, scenario, cp, thread_id)
+        assert outcome.calls == expected, form
+        kinds = [kind for kind, _ in outcome.events]
+        assert kinds.count("takeover_requested") == 1, form
+        assert kinds.count("decision_recorded") == 1, form
