@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 BOOTSTRAP_PYTHON ?= $(shell command -v python3.11 || command -v python3)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench dist clean
 
 # Stamps, not phony targets: reinstall only when pyproject.toml changes.
 $(VENV)/.installed-dev: pyproject.toml
@@ -22,8 +22,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -e .
 	touch $@
 
+# Keeps its databases in .taskpilots/demo and ends with the `taskpilots show` line to open one.
 demo: $(VENV)/.installed
-	$(PY) -m taskpilots_graph.demo
+	$(VENV)/bin/taskpilots demo
 
 # Services are required here: a missing PostgreSQL or Redis fails the run instead of skipping.
 # Two pytest workers (each starts its own throwaway servers): most of the suite waits on
@@ -48,6 +49,13 @@ bench: $(VENV)/.installed-dev
 		echo "==> $$bench"; \
 		$(PY) "$$bench"; \
 	done
+
+# A wheel in dist/, to install anywhere: pip install dist/taskpilots_graph-*.whl. pip builds
+# it with the build backend of pyproject.toml in an isolated environment, so neither the
+# venv nor any build tool needs to be installed first.
+dist:
+	rm -rf dist
+	$(BOOTSTRAP_PYTHON) -m pip wheel --no-deps --wheel-dir dist .
 
 # Keeps the venv; delete $(VENV) by hand for a from-scratch install.
 clean:

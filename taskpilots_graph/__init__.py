@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         PendingTakeover,
         PrecheckError,
         ResultDrifted,
+        StaleDecision,
         StorageBusy,
         StorageError,
         StorageReadOnly,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from taskpilots_graph.failures import Failure, FailureKind, classify
     from taskpilots_graph.ledger import (
         CommittedEffect,
+        CompensationUncertain,
         Done,
         LedgerEntry,
         LedgerStatus,
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode
     from taskpilots_graph.nodes.takeover import TakeoverNode
     from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
+    from taskpilots_graph.nodes.toolnode import ToolNode
     from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
     from taskpilots_graph.prompts import ResumeFacts, build_resume_prompt, resume_facts
     from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
@@ -157,6 +160,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "PendingTakeover",
         "PrecheckError",
         "ResultDrifted",
+        "StaleDecision",
         "StorageBusy",
         "StorageError",
         "StorageReadOnly",
@@ -171,6 +175,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "failures": ("Failure", "FailureKind", "classify"),
     "ledger": (
         "CommittedEffect",
+        "CompensationUncertain",
         "Done",
         "LedgerEntry",
         "LedgerStatus",
@@ -186,6 +191,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "nodes.router": ("RecoveryRouter", "WaitNode"),
     "nodes.takeover": ("TakeoverNode",),
     "nodes.think": ("ResumeContext", "ThinkNode"),
+    "nodes.toolnode": ("ToolNode",),
     "policy": ("Backoff", "ModelPolicy", "ToolPolicy"),
     "prompts": ("ResumeFacts", "build_resume_prompt", "resume_facts"),
     "recovery": ("Action", "RecoveryDecision", "decide_recovery"),
@@ -274,6 +280,7 @@ __all__ = [
     "CheckpointDensity",
     "CommittedEffect",
     "CompensateNode",
+    "CompensationUncertain",
     "ConfigurationError",
     "CoordinationPlan",
     "CoordinationReport",
@@ -324,6 +331,7 @@ __all__ = [
     "SideEffectSpec",
     "SideEffectTool",
     "SideEffectUncertain",
+    "StaleDecision",
     "StepRecord",
     "StorageBusy",
     "StorageError",
@@ -339,6 +347,7 @@ __all__ = [
     "ThreadHealth",
     "ThreadInfo",
     "ThreadNotFound",
+    "ToolNode",
     "ToolPolicy",
     "ToolRecovery",
     "ToolWaiting",

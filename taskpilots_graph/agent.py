@@ -186,7 +186,6 @@ def check_retry_owner(
 
 
 _DEFAULT_OBSERVATIONS = ObservationPolicy()
-_DEFAULT_WINDOW = MemoryWindow()
 
 
 def _side_effect_steps(
@@ -229,7 +228,7 @@ def create_recovery_agent(
     leases: LeaseBackend | None = None,
     lease_ttl: float = 30.0,
     observations: ObservationPolicy | None = _DEFAULT_OBSERVATIONS,
-    memory_window: MemoryWindow | None = _DEFAULT_WINDOW,
+    memory_window: MemoryWindow | None = None,
     checkpoint_density: Density = "every_step",
 ) -> CompiledStateGraph[Any, Any, Any, Any]:
     """Build a think → act loop that continues from the right place after any failure.
@@ -282,9 +281,11 @@ def create_recovery_agent(
         observations: Results above its threshold (4 KB by default) are stored as an
             artifact (``cp.artifact(id)``) and the state, so the model, gets a summary and
             the id. ``None`` keeps every result whole.
-        memory_window: The state keeps the last ``raw_turns`` model turns whole (2 by
-            default) and a line for each of a few before them; the event log keeps the
-            whole trail. ``None`` keeps every message (the state then grows with the run).
+        memory_window: A context budget for the model:
+            ``tp.MemoryWindow(max_tokens=N)`` folds the oldest turns (a call with its
+            answer, each as a line naming tool, arguments, outcome and ledger key) out of
+            what the model sees once its input exceeds ``N`` tokens. ``None`` (default):
+            the model sees its whole conversation. The state keeps every message either way.
         checkpoint_density: ``"every_step"``, ``"tool_boundary"`` or ``"milestones"``: which
             checkpoints are stored (see :mod:`taskpilots_graph.checkpointers.density`).
             No density repeats a side effect on resume.
@@ -312,7 +313,6 @@ def create_recovery_agent(
         leases=leases,
         lease_ttl=lease_ttl,
         observations=observations,
-        memory_window=memory_window,
         record_all_decisions=checkpoint_density == "milestones",
     )
     think = ThinkNode(
@@ -324,6 +324,7 @@ def create_recovery_agent(
         max_steps=max_steps,
         resume_context=resume_context,
         milestones=milestones,
+        memory_window=memory_window,
     )
     router = RecoveryRouter(act, checkpointer=checkpointer, rng=rng)
     wait = WaitNode(act)

@@ -9,6 +9,7 @@ sends the same invalid body). Both agent forms pass the model's input through
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 
@@ -28,6 +29,8 @@ def valid_conversation(messages: Sequence[BaseMessage]) -> list[BaseMessage]:
     after its last answered sibling; an answer to no open call (a duplicate, or one whose
     call left the conversation) is dropped. A valid conversation is returned unchanged.
     """
+    if _answered(messages):
+        return list(messages)
     out: list[BaseMessage] = []
     open_calls: dict[str, ToolCall] = {}
     changed = False
@@ -56,6 +59,49 @@ def valid_conversation(messages: Sequence[BaseMessage]) -> list[BaseMessage]:
             open_calls = {c["id"] or "": c for c in message.tool_calls}
     close()
     return out if changed else list(messages)
+
+
+_valid_prefix: list[BaseMessage] = []
+"""The longest conversation found valid with no call open at its end, by message identity.
+
+``add_messages`` keeps earlier messages as the same objects, so the next model call's
+conversation starts with it, and only the new tail needs checking: the check stays linear
+over a run instead of quadratic. Shared by every thread of the process; replacing the list
+is atomic, and a conversation that does not start with it is checked from its start."""
+
+
+def _answered(messages: Sequence[BaseMessage]) -> bool:
+    """Whether every tool call is answered exactly once before the next message.
+
+    The model is called with the whole conversation at every step, so this check runs on
+    every model call: a pass that builds nothing over the messages not already known valid
+    (the repair above runs only when it finds a fault).
+    """
+    global _valid_prefix
+    known = _valid_prefix
+    start = len(known) if len(known) <= len(messages) and all(map(is_, known, messages)) else 0
+    open_ids: set[str] = set()
+    balanced = start  # messages[:balanced] is valid with no call open
+    for index in range(start, len(messages)):
+        message = messages[index]
+        if isinstance(message, ToolMessage):
+            if message.tool_call_id not in open_ids:
+                return False
+            open_ids.remove(message.tool_call_id)
+            if not open_ids:
+                balanced = index + 1
+            continue
+        if open_ids:
+            return False
+        if isinstance(message, AIMessage) and message.tool_calls:
+            open_ids = {c["id"] or "" for c in message.tool_calls}
+            if len(open_ids) != len(message.tool_calls):
+                return False  # two calls under one id: the repair keeps the last
+        else:
+            balanced = index + 1
+    if balanced > start:
+        _valid_prefix = list(messages[:balanced])
+    return not open_ids
 
 
 def close_dangling(messages: Sequence[BaseMessage]) -> list[ToolMessage]:

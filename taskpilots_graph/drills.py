@@ -14,6 +14,16 @@ then once per drill on a fresh thread with a fault injected into one of its tool
 * **crash**: a child process is SIGKILLed right after the first side effect ran, and a
   fresh process resumes the thread by id: the effect must not run a second time.
 
+**The drills run the graph's tools.** A factory that builds the graph on your real tools
+would open real tickets, send real e-mails and issue real refunds, a dozen times over. So
+:func:`run_drills` accepts only a factory marked with :func:`drill_graph` (its author
+declares that it builds the graph on test doubles), or ``real_effects=True`` (drill real
+services on purpose: a staging system)::
+
+    @drill_graph
+    def make_drill_graph(checkpointer):
+        return tp.create_recovery_agent(model, fake_tools, checkpointer=checkpointer)
+
 Faults come from :mod:`taskpilots_graph.testing` and a virtual clock (backoffs take no
 time). Every tool is wrapped to journal each completed execution to a SQLite file of its
 own, outside the agent's database and process, so a crash cannot hide a repeat. An
@@ -41,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
@@ -53,6 +63,8 @@ __all__ = [
     "DrillResult",
     "DrillsReport",
     "GraphRef",
+    "drill_graph",
+    "is_drill_graph",
     "load_graph",
     "run_drills",
 ]
@@ -63,12 +75,42 @@ DEFAULT_INPUT: dict[str, Any] = {"messages": [{"role": "user", "content": "Run t
 MAX_ROUNDS = 12
 """Resumes a drill allows before it calls the run an endless replay."""
 
+DRILL_MARK = "__taskpilots_drill_graph__"
+"""The attribute :func:`drill_graph` sets on a factory."""
+
 CHILD_TIMEOUT_S = 180.0
 RUN_CONFIG: RunnableConfig = {"recursion_limit": 200}
 Outcome = Literal["passed", "failed", "skipped"]
 
 
 # -- loading a graph ---------------------------------------------------------------------------
+
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
+
+
+def drill_graph(factory: _Factory) -> _Factory:
+    """Declare that ``factory`` builds its graph on test doubles, so drills may run it.
+
+    The drills call every tool of the graph many times, with faults in between; nothing
+    checks what a tool does, so the factory's author says it: the tools are fakes (for
+    example :mod:`taskpilots_graph.testing`, or a service stub writing to a local file).
+    ``taskpilots drill`` refuses an unmarked factory unless ``--real-effects`` is given.
+
+    Example::
+
+        @drill_graph
+        def make_drill_graph(checkpointer):
+            return tp.create_recovery_agent(model, fake_tools, checkpointer=checkpointer)
+
+        is_drill_graph(make_drill_graph)  # True
+    """
+    setattr(factory, DRILL_MARK, True)
+    return factory
+
+
+def is_drill_graph(target: Any) -> bool:
+    """``target`` was marked with :func:`drill_graph`."""
+    return getattr(target, DRILL_MARK, False) is True
 
 
 @dataclass(frozen=True)
@@ -433,6 +475,8 @@ class DrillsReport:
         results: One :class:`DrillResult` per drill.
         metrics: ``recovery_metrics(...).as_dict()`` over the drill threads.
         database: Where the drill runs are stored (kept only with ``workdir=``).
+        real_effects: The graph was not marked :func:`drill_graph`: its tools may have
+            reached real services (``real_effects=True`` was given).
     """
 
     graph: str
@@ -440,6 +484,7 @@ class DrillsReport:
     results: tuple[DrillResult, ...]
     metrics: dict[str, Any]
     database: str
+    real_effects: bool = False
 
     @property
     def passed(self) -> bool:
@@ -461,6 +506,7 @@ class DrillsReport:
             "drills": [r.as_dict() for r in self.results],
             "metrics": self.metrics,
             "database": self.database,
+            "real_effects": self.real_effects,
         }
 
 
@@ -655,6 +701,7 @@ def run_drills(
     effect_tools: Sequence[str] | None = None,
     crash: bool = True,
     on_drill: Callable[[str], None] | None = None,
+    real_effects: bool = False,
 ) -> DrillsReport:
     """Run the fault drills and the crash drill against ``graph``; report each verdict.
 
@@ -671,10 +718,13 @@ def run_drills(
             tools, or every tool when the graph declares none).
         crash: Also run the crash drill (two child processes).
         on_drill: Called with each drill's name before it starts (progress display).
+        real_effects: Drill a factory not marked :func:`drill_graph`, whose tools may
+            reach real services (the drills perform their side effects many times).
 
     Raises:
         ConfigurationError: The graph cannot be loaded, is not a factory taking the
-            checkpointer, or does not finish cleanly without faults.
+            checkpointer, is neither marked :func:`drill_graph` nor allowed real effects,
+            or does not finish cleanly without faults.
     """
     from taskpilots_graph import testing
     from taskpilots_graph.checkpointers import RecoveryCheckpointer
@@ -684,6 +734,15 @@ def run_drills(
         raise ConfigurationError(
             f"drills run on a database of their own: make {graph} a factory taking the "
             "checkpointer, e.g. def make_graph(checkpointer): ..."
+        )
+    marked = is_drill_graph(ref.target)
+    if not marked and not real_effects:
+        raise ConfigurationError(
+            f"{graph} is not marked as building its tools on test doubles, so the drills "
+            "would call its real services (real tickets, e-mails, refunds, many times); "
+            "build the graph on fakes in a factory decorated with "
+            "@taskpilots_graph.drills.drill_graph, or pass --real-effects "
+            "(real_effects=True) to drill real services on purpose"
         )
     input_ = DEFAULT_INPUT if input is None else input
     # Thread ids of their own per call: a kept workdir can be drilled again.
@@ -739,6 +798,7 @@ def run_drills(
         results=tuple(results),
         metrics=metrics,
         database=conn if workdir is not None else "(temporary)",
+        real_effects=not marked,
     )
 
 

@@ -23,11 +23,13 @@ can catch the whole family at once and still tell the cases apart by type::
     ├── PendingTakeover             the thread waits on a person's decision
     ├── ResultDrifted               a high-risk call answered differently than before
     ├── NoPendingTakeover           a decision for a thread that waits on nobody
+    │   └── StaleDecision           a decision for a takeover that is no longer pending
     ├── ThreadBusy                  another process holds the lease (thread or business lock)
     ├── ThreadNotFound              no checkpoint exists for the thread id
     └── ToolWaiting                 the run stopped to wait for a tool until ``retry_at``
 
-    SideEffectUncertain (in ledger.py) also derives from TaskPilotsError.
+    SideEffectUncertain (in ledger.py) also derives from TaskPilotsError, and so does its
+    subclass CompensationUncertain (in ledger.py): the undo of an effect of unknown outcome.
 
 Errors carry their facts as attributes (not only in the message) and pickle cleanly, so they
 survive crossing a process boundary (workers, subprocess drills). LangGraph control flow
@@ -55,6 +57,7 @@ __all__ = [
     "PendingTakeover",
     "PrecheckError",
     "ResultDrifted",
+    "StaleDecision",
     "StorageBusy",
     "StorageError",
     "StorageReadOnly",
@@ -264,6 +267,36 @@ class NoPendingTakeover(TaskPilotsError):
     def __init__(self, thread_id: str) -> None:
         super().__init__(f"thread {thread_id!r} is not waiting on a person; nothing to decide")
         self.thread_id = thread_id
+
+
+class StaleDecision(NoPendingTakeover):
+    """A decision names a takeover that is no longer pending; nothing was recorded or changed.
+
+    The takeover was answered already (a form sent twice, a second browser tab, a command
+    run again) and the thread may now wait on a newer takeover about another step: applying
+    the old answer there would decide something the person never saw. A subclass of
+    :class:`NoPendingTakeover`, so code that treats "already decided" alike keeps working.
+
+    Attributes:
+        thread_id: The thread.
+        interrupt_id: The takeover the decision answers (its interrupt id).
+        current: The interrupt ids of the takeovers pending now (empty: none).
+    """
+
+    def __init__(self, thread_id: str, interrupt_id: str, current: Sequence[str] = ()) -> None:
+        now = (
+            f"it now waits on takeover {', '.join(current)}: look at that one before deciding"
+            if current
+            else "it waits on nobody now"
+        )
+        TaskPilotsError.__init__(
+            self,
+            f"the decision answers takeover {interrupt_id!r} of thread {thread_id!r}, which "
+            f"is no longer pending (answered already); {now}. Nothing was changed",
+        )
+        self.thread_id = thread_id
+        self.interrupt_id = interrupt_id
+        self.current = list(current)
 
 
 class ArtifactNotFound(TaskPilotsError, LookupError):

@@ -47,7 +47,14 @@ Arguments the tool's schema rejects were never handed to the body: not sent. Pur
 (no ``side_effect``) have no ledger entry and are retried as their policies say.
 
 Guarantee: *effectively once* for tools with a pre-check or an idempotent service; *at most
-once, then a person decides* for the rest. This module is I/O free; the stores persist entries
+once, then a person decides* for the rest.
+
+Undoing a committed effect is a side effect too and follows the same rules under its own
+key, ``undo:<effect key>`` (tool ``undo:<tool>``): intent, compensator, commit, then the
+effect's entry becomes ``compensated``; an undo of unknown outcome asks
+``side_effect(compensate_precheck=...)``, and without one (or on ``Unknown``) it is
+``uncertain`` and a person decides (:class:`CompensationUncertain`). See
+:mod:`taskpilots_graph.nodes.compensate`. This module is I/O free; the stores persist entries
 and :mod:`taskpilots_graph.nodes.executor` drives the protocol.
 """
 
@@ -69,6 +76,7 @@ __all__ = [
     "PAUSED",
     "RUNNER",
     "CommittedEffect",
+    "CompensationUncertain",
     "Done",
     "LedgerEntry",
     "LedgerStatus",
@@ -134,7 +142,8 @@ class Unknown:
 
 PrecheckOutcome = Done | NotDone | Unknown
 Precheck = Callable[[str, dict[str, Any]], PrecheckOutcome]
-Compensate = Callable[[str, dict[str, Any], Any], None]
+Compensate = Callable[[str, dict[str, Any], Any], Any]
+CompensatePrecheck = Callable[[str, dict[str, Any], Any], PrecheckOutcome]
 KeyFn = Callable[[dict[str, Any]], str]
 LockFn = Callable[[dict[str, Any]], str]
 
@@ -145,7 +154,14 @@ class SideEffectSpec:
 
     Attributes:
         precheck: Asks the external system whether the effect with this key happened.
-        compensate: Undoes a committed effect (used when a run is abandoned).
+        compensate: Undoes a committed effect (used when a run is abandoned). The undo is
+            a side effect of its own and goes through the ledger like one (see
+            :mod:`taskpilots_graph.nodes.compensate`).
+        compensate_precheck: Asks the external system whether the undo of a committed
+            effect happened (``Done``), did not (``NotDone``) or cannot tell (``Unknown``);
+            called as ``compensate_precheck(key, args, result)`` with the *effect's* key,
+            arguments and recorded result. Without it, an undo interrupted mid-way (a
+            crash inside the compensator) stops for a person instead of running again.
         idempotent: The service deduplicates by the invocation key, so re-executing an
             effect of unknown outcome is safe.
         key: Business key function (e.g. ``lambda a: f"refund:{a['order_id']}"``); dedups
@@ -178,14 +194,28 @@ class SideEffectSpec:
     not_sent: tuple[type[BaseException], ...] = ()
     repeatable: bool = False
     precheck_timeout: float | None = 30.0
+    compensate_precheck: CompensatePrecheck | None = None
 
     def __post_init__(self) -> None:
-        for name in ("precheck", "compensate", "key", "lock", "drift_comparator"):
+        for name in (
+            "precheck",
+            "compensate",
+            "key",
+            "lock",
+            "drift_comparator",
+            "compensate_precheck",
+        ):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigurationError(
                     f"side_effect({name}=...) must be a callable, got {type(value).__name__}"
                 )
+        if self.compensate_precheck is not None and self.compensate is None:
+            # A question about an undo that nothing performs is a mistake in the declaration.
+            raise ConfigurationError(
+                "side_effect(compensate_precheck=...) checks the undo of compensate=...; "
+                "declare compensate= too, or drop compensate_precheck="
+            )
         for name in ("idempotent", "confirm_drift", "repeatable"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"side_effect({name}=...) must be True or False")
@@ -289,6 +319,46 @@ class SideEffectUncertain(TaskPilotsError):
         self.tool = tool
         self.thread_id = thread_id
         self.reason = reason
+
+
+class CompensationUncertain(SideEffectUncertain):
+    """The undo of a committed effect may or may not have happened, and nothing can tell.
+
+    Raised (or, inside a graph, asked of a person through a takeover) when a compensator
+    was interrupted mid-way (a crash, a timeout after its request left) and the tool
+    declares no ``compensate_precheck``, or it answered ``Unknown``. The compensator is not
+    run again blindly: the undo's own ledger entry (``undo:<effect key>``) is ``uncertain``
+    until a person decides ``retry`` (run the compensator once more), ``skip`` (leave the
+    effect in place) or ``provide_result`` (the undo happened).
+
+    Attributes:
+        key: The undo's ledger key (``undo:<effect_key>``).
+        tool: The undo's tool name (``undo:<effect_tool>``).
+        thread_id: The thread whose run performs the undo.
+        reason: Why nothing can tell.
+        effect_key: The ledger key of the committed effect being undone.
+        effect_tool: The tool whose effect it is.
+    """
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        tool: str,
+        thread_id: str,
+        reason: str,
+        effect_key: str,
+        effect_tool: str,
+    ) -> None:
+        super().__init__(key=key, tool=tool, thread_id=thread_id, reason=reason)
+        self.args = (
+            f"the undo of {effect_tool!r} (effect key {effect_key!r}, undo key {key!r}) may "
+            f"already have happened ({reason}); the compensator was not run again. A person "
+            "must decide: retry (run it once more), skip (leave the effect in place) or "
+            "provide_result (the undo happened).",
+        )
+        self.effect_key = effect_key
+        self.effect_tool = effect_tool
 
 
 class Step(Enum):

@@ -21,7 +21,7 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
-from langgraph.types import Command, StateSnapshot
+from langgraph.types import Command, Interrupt, StateSnapshot
 from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph.agent import find_executor, lease_source
@@ -31,6 +31,7 @@ from taskpilots_graph.errors import (
     ConfigurationError,
     InvalidDecision,
     NoPendingTakeover,
+    StaleDecision,
     ThreadNotFound,
 )
 from taskpilots_graph.events import Event, EventKind
@@ -291,12 +292,25 @@ async def aresume(
 # -- people ------------------------------------------------------------------------------------
 
 _INTERRUPT_CHANNEL = "__interrupt__"
+_NULL_TASK_ID = "00000000-0000-0000-0000-000000000000"  # writes that are a step's input
+_CONTROL_CHANNELS = frozenset(
+    {"__error__", "__error_source_node__", _INTERRUPT_CHANNEL, "__resume__"}
+)
+"""Writes that say what happened to a task rather than what it produced (LangGraph's rule:
+a task with any other write finished, and its recorded interrupts were answered)."""
 
 
 def _requests_from_tuple(thread_id: str, pending_writes: Any) -> list[TakeoverRequest]:
+    # A takeover answered while a sibling task of the same step still waits keeps its
+    # interrupt write until the step ends: the task's own output says it was answered.
+    finished = {
+        task
+        for task, channel, _value in pending_writes or ()
+        if channel not in _CONTROL_CHANNELS and task != _NULL_TASK_ID
+    }
     found = []
-    for _task, channel, value in pending_writes or ():
-        if channel != _INTERRUPT_CHANNEL:
+    for task, channel, value in pending_writes or ():
+        if channel != _INTERRUPT_CHANNEL or task in finished:
             continue
         for item in value if isinstance(value, list | tuple) else [value]:
             data = getattr(item, "value", None)
@@ -346,19 +360,64 @@ async def apending_takeovers(
     return requests
 
 
+def _asked(interrupt: Interrupt) -> list[str]:
+    """The tool call ids of the steps a takeover asks about."""
+    pending = interrupt.value.get("pending") or []
+    return [str(p.get("tool_call_id")) for p in pending if isinstance(p, dict)]
+
+
+def _addressed(snapshot: StateSnapshot, thread_id: str, decision: Decision) -> Interrupt:
+    """The pending takeover a decision answers.
+
+    A decision naming its takeover (``interrupt_id``) answers that one or nothing: once it
+    is answered the thread may wait on a newer takeover about another step, and the old
+    answer must not land there. One without it answers the step it names, else the only
+    takeover pending.
+
+    Raises:
+        StaleDecision: The named takeover is no longer pending.
+        NoPendingTakeover: Nobody is asked anything on the thread.
+        InvalidDecision: Several takeovers are pending and the decision names none, or it
+            names a step its takeover does not ask about.
+    """
+    pending = [i for i in snapshot.interrupts if isinstance(i.value, dict) and "options" in i.value]
+    if decision.interrupt_id is not None:
+        chosen = [i for i in pending if i.id == decision.interrupt_id]
+        if not chosen:
+            raise StaleDecision(thread_id, decision.interrupt_id, [i.id for i in pending])
+    elif not pending:
+        raise NoPendingTakeover(thread_id)
+    elif decision.tool_call_id is not None:
+        # The takeover asking about that step; failing that the only one, whose node then
+        # says which steps wait (InvalidDecision).
+        chosen = [i for i in pending if decision.tool_call_id in _asked(i)] or pending
+    else:
+        chosen = pending
+    if len(chosen) > 1:
+        raise InvalidDecision(
+            f"{len(chosen)} takeovers are pending on thread {thread_id!r}; say which one "
+            f"with interrupt_id= (one of {', '.join(i.id for i in chosen)})"
+        )
+    (interrupt,) = chosen
+    asked = _asked(interrupt)
+    if decision.tool_call_id is not None and asked and decision.tool_call_id not in asked:
+        raise InvalidDecision(
+            f"no step {decision.tool_call_id!r} waits on this takeover; waiting: {asked}"
+        )
+    return interrupt
+
+
 def _answer(
     graph: Pregel[Any, Any], snapshot: StateSnapshot, thread_id: str, decision: Decision
 ) -> Command[Any]:
-    pending = [i for i in snapshot.interrupts if isinstance(i.value, dict) and "options" in i.value]
-    if not pending:
-        raise NoPendingTakeover(thread_id)
-    (interrupt,) = pending[:1]
+    interrupt = _addressed(snapshot, thread_id, decision)
     offered = interrupt.value.get("options") or {}
     if offered and decision.action not in offered:
         raise InvalidDecision(
             f"{decision.action!r} is not an option of this takeover; choose one of "
             f"{', '.join(offered)}"
         )
+    # Resumed by id: only this interrupt takes the answer, never a newer one.
     answer: Command[Any] = Command(resume={interrupt.id: decision.model_dump(mode="json")})
     executor = find_executor(graph)
     if executor is None:
@@ -398,15 +457,23 @@ def decide(
 
     The decision is validated first; an invalid one, a thread that waits on nobody or the
     same decision given twice raises and changes nothing. The answer addresses the pending
-    interrupt by id (never ``invoke(None)``, which can replay a stale answer).
+    interrupt by id (never ``invoke(None)``, which can replay a stale answer). A decision
+    that names its takeover (``interrupt_id``, as the inbox and ``taskpilots decide
+    --takeover`` send it) is refused once that takeover is no longer pending, so an answer
+    sent twice never lands on the thread's next takeover.
 
     Example:
-        >>> tp.decide(graph, "t-1", tp.Decision(action="provide_result", result="T-42"))
+        >>> (request,) = tp.pending_takeovers(cp, thread_ids=["t-1"])  # doctest: +SKIP
+        >>> tp.decide(graph, "t-1", tp.Decision(action="provide_result", result="T-42",
+        ...                                     interrupt_id=request.interrupt_id))
         ... # doctest: +SKIP
 
     Raises:
-        InvalidDecision: The decision does not validate or names no waiting step.
+        InvalidDecision: The decision does not validate, names no waiting step, or names
+            no takeover while several are pending.
         ThreadNotFound: The thread has no checkpoint.
+        StaleDecision: The takeover the decision names is no longer pending (answered
+            already); nothing changed. A subclass of ``NoPendingTakeover``.
         NoPendingTakeover: Nobody is asked anything on that thread (any more).
     """
     parsed = parse_decision(decision)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, TypedDict
 from langchain_core.messages import AnyMessage
 from langgraph.graph.message import add_messages
 
+from taskpilots_graph.checkpointers.messages import RecordMap
 from taskpilots_graph.window import MemoryState
 
 __all__ = [
@@ -104,8 +105,13 @@ def merge_steps(
     current: dict[str, StepRecord] | None, update: Mapping[str, StepRecord | None] | None
 ) -> dict[str, StepRecord]:
     """Reducer of ``steps``: records are updated field by field, keyed by tool-call id; a
-    ``None`` record removes the step (it left the memory window)."""
-    merged = dict(current or {})
+    ``None`` record removes the step.
+
+    An updated record is a new object and the others are kept as they are, so the result
+    is a :class:`~taskpilots_graph.checkpointers.messages.RecordMap`: the checkpointer
+    stores each record once instead of the whole step layer at every step.
+    """
+    merged = RecordMap(current or {})
     for call_id, record in (update or {}).items():
         if record is None:
             merged.pop(call_id, None)
@@ -131,8 +137,8 @@ class RecoveryState(TypedDict):
         messages: The conversation, merged with LangGraph's ``add_messages`` reducer.
         steps: The step layer, by tool-call id.
         flow: The flow layer.
-        memory: What remains of the turns that left the memory window
-            (:class:`~taskpilots_graph.window.MemoryWindow`).
+        memory: What an earlier version kept of the turns its window removed from the
+            state (read, never written now: the state keeps every message).
     """
 
     messages: Annotated[list[AnyMessage], add_messages]

@@ -36,6 +36,11 @@ class Decision(BaseModel):
         result: The tool's result, for ``provide_result``.
         args: The new arguments, for ``edit_args``.
         tool_call_id: The step the decision is about; needed only when several steps wait.
+        interrupt_id: The takeover the decision answers (``TakeoverRequest.interrupt_id``).
+            With it, ``decide`` refuses the decision with
+            :class:`~taskpilots_graph.errors.StaleDecision` once that takeover is no longer
+            pending, instead of applying it to whatever the thread waits on next. Without
+            it the decision answers the one takeover pending (an error when several are).
         decided_by: Who decided (recorded in the event log).
         note: Free text, recorded with the decision.
     """
@@ -46,6 +51,7 @@ class Decision(BaseModel):
     result: Any = None
     args: dict[str, Any] | None = None
     tool_call_id: str | None = None
+    interrupt_id: str | None = Field(default=None, min_length=1, max_length=200)
     decided_by: str | None = None
     note: str | None = Field(default=None, max_length=2000)
 
@@ -116,6 +122,9 @@ class TakeoverRequest(BaseModel):
 
     def __str__(self) -> str:
         lines = [f"Thread {self.thread_id} needs a person: {self.reason or 'unknown reason'}"]
+        if self.interrupt_id:
+            # The id a decision names (``--takeover`` of ``taskpilots decide``).
+            lines.append(f"Takeover: {self.interrupt_id}")
         if self.goal:
             lines.append(f"Goal: {self.goal}")
         lines += [

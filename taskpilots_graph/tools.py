@@ -14,7 +14,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from taskpilots_graph.drift import placeholder, unserialisable
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.ledger import Compensate, KeyFn, LockFn, Precheck, SideEffectSpec
+from taskpilots_graph.ledger import (
+    Compensate,
+    CompensatePrecheck,
+    KeyFn,
+    LockFn,
+    Precheck,
+    SideEffectSpec,
+)
 
 __all__ = [
     "Invocation",
@@ -64,10 +71,26 @@ def current_invocation() -> Invocation:
     inv = _CURRENT.get()
     if inv is None:
         raise ConfigurationError(
-            "current_invocation() is only available inside a @side_effect tool executed by "
-            "the recovery agent's executor (create_recovery_agent or RecoveryExecutor)"
+            "current_invocation() is only available inside a @side_effect tool run through "
+            f"the ledger: {_LEDGER_RUNNERS}"
         )
     return inv
+
+
+_LEDGER_RUNNERS = (
+    "use tp.ToolNode(tools) instead of LangGraph's ToolNode in your own graph, "
+    "tp.RecoveryExecutor(tools) as its tools node, tp.create_recovery_agent(...), or "
+    "tp.RecoveryMiddleware(cp) in create_agent(..., middleware=[...]); compile or create "
+    "the graph with a tp.RecoveryCheckpointer"
+)
+
+
+def _outside_ledger(name: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"side-effect tool {name!r} was run outside the side-effect ledger (by LangGraph's "
+        "own ToolNode, a direct .invoke(), ...): it was not executed, since nothing would "
+        "record it and a crash could repeat it. To run it, " + _LEDGER_RUNNERS
+    )
 
 
 def set_invocation(inv: Invocation | None) -> contextvars.Token[Invocation | None]:
@@ -84,7 +107,10 @@ class SideEffectTool(BaseTool):
     """A tool whose calls go through the side-effect ledger when run by the executor.
 
     It has the wrapped tool's name, description and argument schema, so a model sees no
-    difference. Called directly (outside the recovery executor) it simply runs the tool.
+    difference. Run anywhere the ledger cannot reach (LangGraph's own ``ToolNode``, a
+    direct ``.invoke()``) it raises :class:`~taskpilots_graph.ConfigurationError` naming
+    what to use instead, before the wrapped tool runs: an effect nobody records could be
+    repeated after a crash, which is what the declaration exists to prevent.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -99,6 +125,8 @@ class SideEffectTool(BaseTool):
         run_manager: CallbackManagerForToolRun | None = None,
         **kwargs: Any,
     ) -> Any:
+        if _CURRENT.get() is None:
+            raise _outside_ledger(self.name)
         return _recordable(self.tool.invoke(args[0] if args else kwargs, config=config))
 
     async def _arun(
@@ -108,6 +136,8 @@ class SideEffectTool(BaseTool):
         run_manager: AsyncCallbackManagerForToolRun | None = None,
         **kwargs: Any,
     ) -> Any:
+        if _CURRENT.get() is None:
+            raise _outside_ledger(self.name)
         return _recordable(await self.tool.ainvoke(args[0] if args else kwargs, config=config))
 
 
@@ -168,6 +198,7 @@ def side_effect(
     not_sent: tuple[type[BaseException], ...] = ...,
     repeatable: bool = ...,
     precheck_timeout: float | None = ...,
+    compensate_precheck: CompensatePrecheck | None = ...,
 ) -> SideEffectTool: ...
 
 
@@ -185,6 +216,7 @@ def side_effect(
     not_sent: tuple[type[BaseException], ...] = ...,
     repeatable: bool = ...,
     precheck_timeout: float | None = ...,
+    compensate_precheck: CompensatePrecheck | None = ...,
 ) -> Callable[[BaseTool], SideEffectTool]: ...
 
 
@@ -201,6 +233,7 @@ def side_effect(
     not_sent: tuple[type[BaseException], ...] = (),
     repeatable: bool = False,
     precheck_timeout: float | None = 30.0,
+    compensate_precheck: CompensatePrecheck | None = None,
 ) -> SideEffectTool | Callable[[BaseTool], SideEffectTool]:
     """Declare a LangChain tool as side-effecting, so the executor runs it through the ledger.
 
@@ -215,7 +248,19 @@ def side_effect(
         tool: The tool (when called directly rather than as a decorator).
         precheck: ``precheck(key, args) -> Done | NotDone | Unknown`` asks the external system
             whether the effect already happened.
-        compensate: ``compensate(key, args, result)`` undoes a committed effect.
+        compensate: ``compensate(key, args, result)`` undoes a committed effect when its run
+            is abandoned (or the policy says ``on_exhausted="compensate"``, or a coordinator
+            undoes shared work). The undo is a side effect of its own and goes through the
+            ledger like one, under the key ``undo:<key>``: an intent is written before the
+            compensator runs and a commit after, then the effect is marked
+            ``compensated``; a committed undo is never run again. Inside the compensator,
+            ``current_invocation().key`` is ``undo:<key>`` (pass it to the service as the
+            undo's idempotency key). An undo interrupted mid-way (a crash, an error after
+            its request may have left) is asked about with ``compensate_precheck``;
+            without one it stops for a person (:class:`~taskpilots_graph.ledger.
+            CompensationUncertain`), who decides retry, skip or provide_result: it is
+            never run twice blindly. A compensator may be a coroutine function (async
+            runs). Its return value is recorded as the undo's result.
         idempotent: The service deduplicates by the invocation key.
         key: ``key(args) -> str`` gives a business key shared across threads and agents.
         lock: ``lock(args) -> str`` names the business object to lock, as
@@ -254,6 +299,13 @@ def side_effect(
             another worker can take over). A synchronous pre-check runs in a daemon worker
             thread for this; a hung one cannot be killed and keeps that thread until it
             returns (its late answer is ignored). An async one is cancelled.
+        compensate_precheck: ``compensate_precheck(key, args, result) -> Done | NotDone |
+            Unknown`` asks the external system whether the *undo* of the effect with this
+            key happened (``Done``: it did, so it is recorded and not run again;
+            ``NotDone``: the effect still stands, so the compensator runs again;
+            ``Unknown``: a person decides). Needs ``compensate=``; shares
+            ``precheck_timeout``. This is what makes "compensated exactly once" hold for a
+            compensator that is not idempotent, whatever the moment a crash hits.
 
     Raises:
         ConfigurationError: If the target is not a LangChain ``BaseTool`` or an option is
@@ -270,6 +322,7 @@ def side_effect(
         not_sent=not_sent,
         repeatable=repeatable,
         precheck_timeout=precheck_timeout,
+        compensate_precheck=compensate_precheck,
     )
 
     def wrap(target: BaseTool) -> SideEffectTool:

@@ -1,40 +1,44 @@
-"""The memory window: bounded graph state, rebuilt model input (I/O free).
+"""The memory window: what the model sees of its conversation (I/O free).
 
-A conversation that keeps every raw tool result grows with the run, and LangGraph re-stores
-the whole ``messages`` channel at every step, so the stored bytes grow quadratically. Here the
-state keeps:
+By default the model sees its whole conversation, every tool call and every answer, so a
+model that decides from its messages knows what it has already done. A
+:class:`MemoryWindow` is an opt-in *context budget* in tokens, triggered like langchain's
+``SummarizationMiddleware``: while the model's input fits in ``max_tokens`` nothing changes;
+above it, the oldest model turns (a model message with its tool calls and their answers,
+always together) are folded into lines of the system message that name each call's tool,
+arguments, outcome and ledger key, until the input fits again. Folding is deterministic and
+calls no model, so a replayed step sees the same input.
 
-* the user's messages and the model's answers to them (never dropped: they are the goal,
-  its later changes and what the user was told),
-* the last ``raw_turns`` model turns whole (a turn is a model message with tool calls plus
-  the answers to them),
-* a short structured record of the ``summaries`` turns before those (tool, arguments, outcome),
-  and a count of the turns folded away before that.
+Folding is a view, never a storage trick: the state and its checkpoints keep every message,
+so the step budget, the resume prompt and every later model call work from the whole run.
+Large single results are bounded separately by :class:`ObservationPolicy` (an artifact plus
+a summary).
 
-Older turns leave the state; the event log keeps their full trail once. The model sees the
-system prompt with the earlier steps appended, then the kept messages (:func:`model_input`).
-Large single results are bounded separately by :class:`ObservationPolicy` (an artifact plus a
-summary).
+Threads written by earlier versions, whose window removed turns from the state, carry a
+``memory`` channel (:class:`MemoryState`): its lines are still shown to the model
+(:func:`earlier_text`) and its counts still reach the resume prompt (:func:`folded_done`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from operator import is_
 from typing import Any, TypedDict
 
-from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models import BaseLanguageModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
     HumanMessage,
-    RemoveMessage,
     SystemMessage,
-    ToolMessage,
 )
-from langchain_core.runnables import Runnable
+from langchain_core.messages.utils import count_tokens_approximately
+from langchain_core.runnables import Runnable, RunnableBinding
 
+from taskpilots_graph._fold import fold_to_budget, with_system
 from taskpilots_graph.compression import (
     DEFAULT_SUMMARY_CHARS,
     DEFAULT_THRESHOLD_BYTES,
@@ -48,14 +52,18 @@ __all__ = [
     "MemoryState",
     "MemoryWindow",
     "ObservationPolicy",
-    "Trim",
+    "TokenCounter",
     "decisions_this_turn",
     "earlier_text",
     "folded_done",
     "model_input",
     "model_summarizer",
-    "plan_trim",
+    "model_token_counter",
 ]
+
+TokenCounter = Callable[[Sequence[BaseMessage]], int]
+"""Counts the tokens of a model input (the shape of langchain's ``count_tokens_approximately``
+and of ``SummarizationMiddleware(token_counter=...)``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,39 +139,184 @@ def model_summarizer(
     return summarize
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryWindow:
-    """How much of the conversation the state keeps.
+_NO_BUDGET = (
+    "the model sees its whole conversation unless memory_window=MemoryWindow(max_tokens=N) "
+    "sets a context budget; memory_window=None (the default) sets none"
+)
 
-    Every turn kept whole is stored again with each checkpoint: the default keeps a run of
-    1,600 steps with 1 KB results under 25 MB of storage. Raise ``raw_turns`` when the model
-    needs more verbatim context.
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryWindow:
+    """A context budget: how the model's view of a long conversation is folded to fit.
+
+    Nothing is folded while the model's input (system prompt, conversation and tool schemas,
+    as ``token_counter`` counts them) is at most ``max_tokens``. Above it, the oldest model
+    turns are folded, each whole, into one line per tool call in the system message:
+    ``- tool({"arg": ...}) -> ok: <outcome>``, followed by ``ledger key: ...`` for a side
+    effect, until the input fits. Never folded: the user's messages, the model's answers to
+    them, the last ``keep_turns`` turns and a turn with a call still unanswered. When even
+    the lines do not fit, the oldest lines become a count per tool; a budget smaller than
+    what never folds is exceeded by as little as possible.
+
+    The trade-off: folding keeps long runs within the model's context, at the price of
+    detail: a folded result is cut to ``line_chars`` characters, and a model that needs an
+    old result verbatim must ask again (``cp.artifact(id)`` holds large ones). The state
+    keeps every message either way: the budget changes what one model call sees, never what
+    is stored.
+
+    Example:
+        >>> window = MemoryWindow(max_tokens=100_000)  # about 3/4 of a 128k-token model
 
     Attributes:
-        raw_turns: Model turns kept whole (``None``: all of them, the state is unbounded).
-        summaries: Earlier turns kept as one structured line each; older ones are counted.
-        line_chars: Bound on each part (arguments, outcome) of such a line.
+        max_tokens: The budget of one model input, in tokens.
+        keep_turns: The latest model turns never folded (the last observation among them).
+        line_chars: Bound on the arguments and on the outcome in a folded line.
+        token_counter: Counts a model input; by default the model's own counter
+            (``get_num_tokens_from_messages``) where it has one, else langchain's
+            ``count_tokens_approximately`` (see :func:`model_token_counter`).
+        raw_turns: Removed: the window no longer keeps a number of turns in the state.
+        summaries: Removed with ``raw_turns``.
+
+    Raises:
+        ConfigurationError: Without ``max_tokens``, with the removed ``raw_turns`` or
+            ``summaries``, or for a value out of range.
     """
 
-    raw_turns: int | None = 2
-    summaries: int = 6
-    line_chars: int = 120
+    max_tokens: int | None = None
+    keep_turns: int = 1
+    line_chars: int = 160
+    token_counter: TokenCounter | None = field(default=None, compare=False)
+    raw_turns: None = field(default=None, repr=False, compare=False)
+    summaries: None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.raw_turns is not None and (
-            not isinstance(self.raw_turns, int) or self.raw_turns < 1
-        ):
+        if self.raw_turns is not None or self.summaries is not None:
             raise ConfigurationError(
-                f"raw_turns must be None or an int >= 1, got {self.raw_turns!r}"
+                "MemoryWindow(raw_turns=..., summaries=...) was removed: the window no longer "
+                f"trims the state by turns; {_NO_BUDGET}"
             )
-        if not isinstance(self.summaries, int) or self.summaries < 0:
-            raise ConfigurationError(f"summaries must be an int >= 0, got {self.summaries!r}")
-        if not isinstance(self.line_chars, int) or self.line_chars < 20:
+        if self.max_tokens is None:
+            raise ConfigurationError(f"MemoryWindow needs max_tokens=N: {_NO_BUDGET}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ConfigurationError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.keep_turns) or self.keep_turns < 1:
+            raise ConfigurationError(f"keep_turns must be an int >= 1, got {self.keep_turns!r}")
+        if not _is_int(self.line_chars) or self.line_chars < 20:
             raise ConfigurationError(f"line_chars must be an int >= 20, got {self.line_chars!r}")
+        if self.token_counter is not None and not callable(self.token_counter):
+            raise ConfigurationError("token_counter must be callable")
+
+    @property
+    def budget(self) -> int:
+        """``max_tokens``, known to be set once the window is built."""
+        assert self.max_tokens is not None
+        return self.max_tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- token counting ---------------------------------------------------------------------------
+
+
+def _has_own_counter(model: BaseLanguageModel[Any]) -> bool:
+    # The base class's counter is a GPT-2 tokenizer (and needs ``transformers``): only an
+    # override, or a tokenizer the user gave the model, is the model's own.
+    cls = type(model)
+    return (
+        cls.get_num_tokens_from_messages is not BaseLanguageModel.get_num_tokens_from_messages
+        or cls.get_num_tokens is not BaseLanguageModel.get_num_tokens
+        or cls.get_token_ids is not BaseLanguageModel.get_token_ids
+        or model.custom_get_token_ids is not None
+    )
+
+
+def model_token_counter(model: Any, tools: Sequence[Any] = ()) -> TokenCounter:
+    """The token counter of ``model``'s input with ``tools`` bound.
+
+    The model's own ``get_num_tokens_from_messages`` when it has one (a provider's
+    tokenizer, or a ``custom_get_token_ids``); otherwise langchain's
+    ``count_tokens_approximately`` (about 4 characters per token, 3.3 for Anthropic models,
+    scaled by the token usage the provider reported on the latest answer when there is one),
+    as ``SummarizationMiddleware`` does. A ``RunnableBinding`` (``model.bind(...)``,
+    ``with_config``) is counted as the model it wraps.
+
+    Once the budget folds, a model call counts the whole input once and a few folded
+    candidates: a counter that asks the provider over the network (Anthropic's does) makes
+    that many requests; give ``MemoryWindow(token_counter=...)`` a local one to avoid them.
+    """
+    while isinstance(model, RunnableBinding):
+        model = model.bound
+    tool_list = list(tools)
+    if isinstance(model, BaseLanguageModel) and _has_own_counter(model):
+        own = model
+        if type(own).get_num_tokens_from_messages is BaseLanguageModel.get_num_tokens_from_messages:
+            # The base method counts messages with the model's tokenizer but warns about
+            # (and skips) tool schemas: add those approximately.
+            schemas = count_tokens_approximately([], tools=tool_list) if tool_list else 0
+            return lambda messages: own.get_num_tokens_from_messages(list(messages)) + schemas
+        return lambda messages: own.get_num_tokens_from_messages(
+            list(messages), tools=tool_list or None
+        )
+    llm_type = str(getattr(model, "_llm_type", ""))
+    chars_per_token = 3.3 if llm_type.startswith("anthropic") else 4.0
+    # The tool schemas are counted once: converting them is most of a short count's cost,
+    # and the fold counts several inputs per model call.
+    schemas = (
+        count_tokens_approximately([], chars_per_token=chars_per_token, tools=tool_list)
+        if tool_list
+        else 0
+    )
+    approximate = partial(
+        count_tokens_approximately,
+        chars_per_token=chars_per_token,
+        use_usage_metadata_scaling=True,
+    )
+    return lambda messages: approximate(messages) + schemas
+
+
+def model_input(
+    prompt: str | None,
+    memory: MemoryState | None,
+    messages: Sequence[BaseMessage],
+    window: MemoryWindow | None = None,
+    *,
+    steps: Mapping[str, Mapping[str, Any]] | None = None,
+    count_tokens: TokenCounter | None = None,
+) -> list[BaseMessage]:
+    """What the model sees: the system prompt (with any folded steps), then the messages.
+
+    Without ``window`` that is the whole conversation. With one, the input is counted
+    (``window.token_counter``, else ``count_tokens``, else the approximate count) and, above
+    ``window.max_tokens``, folded as :class:`MemoryWindow` describes; ``steps`` (the step
+    records by tool-call id) give the folded calls their ledger keys.
+    """
+    system = "\n\n".join(part for part in (prompt, earlier_text(memory)) if part)
+    whole = with_system(system, messages)
+    if window is None:
+        return whole
+    count = window.token_counter or count_tokens or model_token_counter(None)
+    total = count(whole)
+    if total <= window.budget:
+        return whole
+    return fold_to_budget(
+        system,
+        messages,
+        total,
+        budget=window.budget,
+        keep_turns=window.keep_turns,
+        line_chars=window.line_chars,
+        steps=steps or {},
+        count=count,
+    )
+
+
+# -- the memory channel of earlier versions ---------------------------------------------------
 
 
 class EarlierStep(TypedDict):
-    """One tool call of a turn that left the window."""
+    """One tool call that an earlier version's window folded out of the state."""
 
     tool: str
     args: str
@@ -172,7 +325,10 @@ class EarlierStep(TypedDict):
 
 
 class MemoryState(TypedDict, total=False):
-    """The ``memory`` channel: what remains of the turns that left the window.
+    """The ``memory`` channel: what an earlier version kept of the turns it removed.
+
+    The window no longer removes messages from the state; threads written before keep this
+    channel, and it is read, never written.
 
     Attributes:
         earlier: The most recent folded calls, oldest first.
@@ -192,143 +348,56 @@ class MemoryState(TypedDict, total=False):
     decisions: int
 
 
-@dataclass(frozen=True, slots=True)
-class Trim:
-    """What leaves the state after a step.
-
-    Attributes:
-        messages: ``RemoveMessage`` updates for the ``messages`` channel.
-        steps: Tool-call ids whose step records leave the ``steps`` channel.
-        memory: The new value of the ``memory`` channel.
-    """
-
-    messages: list[RemoveMessage]
-    steps: list[str]
-    memory: MemoryState
-
-
-def _short(value: Any, limit: int) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _turns(messages: Sequence[BaseMessage]) -> list[list[BaseMessage]]:
-    """Model turns with tool calls, oldest first: the model message with its answers (and
-    anything the agent inserted between them). The user's messages and the model's answers
-    to them (messages without tool calls) are the conversation itself and stay."""
-    turns: list[list[BaseMessage]] = []
-    current: list[BaseMessage] | None = None
-    for message in messages:
-        if isinstance(message, AIMessage) and message.tool_calls:
-            current = [message]
-            turns.append(current)
-        elif isinstance(message, HumanMessage | AIMessage):
-            current = None
-        elif current is not None:
-            current.append(message)
-    return turns
-
-
-def _last_user(messages: Sequence[BaseMessage]) -> int:
-    for index in range(len(messages) - 1, -1, -1):
+def _last_user(messages: Sequence[BaseMessage], stop: int = 0) -> int:
+    """Index of the user's last message at or after ``stop`` (``-1``: none there)."""
+    for index in range(len(messages) - 1, stop - 1, -1):
         message = messages[index]
         if isinstance(message, HumanMessage) and message.name != "taskpilots_resume":
             return index
     return -1
 
 
+def _decisions(messages: Sequence[BaseMessage]) -> int:
+    return sum(1 for m in messages if isinstance(m, AIMessage) and m.tool_calls)
+
+
+_turn_memo: tuple[list[BaseMessage], int, int] = ([], -1, 0)
+"""``(conversation, index of its last user message, decisions since)`` of the last count.
+
+The count runs before every model call over a conversation that only grows (the same
+message objects, ``add_messages`` keeps them), so only the new tail is scanned. Replacing
+the tuple is atomic; a conversation that does not start with the remembered one is
+counted from scratch."""
+
+
+def _turn(messages: Sequence[BaseMessage]) -> tuple[int, int]:
+    global _turn_memo
+    known, known_last, known_count = _turn_memo
+    n = len(known)
+    if n and n <= len(messages) and all(map(is_, known, messages)):
+        last = _last_user(messages, n)
+        if last < 0:
+            last, count = known_last, known_count + _decisions(messages[n:])
+        else:
+            count = _decisions(messages[last + 1 :])
+    else:
+        last = _last_user(messages)
+        count = _decisions(messages[last + 1 :])
+    _turn_memo = (list(messages), last, count)
+    return last, count
+
+
 def decisions_this_turn(
     messages: Sequence[BaseMessage], memory: MemoryState | None
 ) -> tuple[str | None, int]:
     """``(id of the user's last message, model decisions with tool calls since it)``,
-    counting those folded out of the window."""
-    last = _last_user(messages)
+    counting those an earlier version folded out of the state."""
+    last, in_view = _turn(messages)
     user = messages[last].id if last >= 0 else None
-    in_view = sum(1 for m in messages[last + 1 :] if isinstance(m, AIMessage) and m.tool_calls)
     folded = (
         int((memory or {}).get("decisions", 0)) if (memory or {}).get("user_turn") == user else 0
     )
     return user, folded + in_view
-
-
-def _complete(turn: Sequence[BaseMessage]) -> bool:
-    ai = turn[0]
-    assert isinstance(ai, AIMessage)
-    answered = {m.tool_call_id for m in turn if isinstance(m, ToolMessage)}
-    return all(call["id"] in answered for call in ai.tool_calls)
-
-
-def plan_trim(
-    messages: Sequence[BaseMessage],
-    steps: Mapping[str, Mapping[str, Any]],
-    memory: MemoryState | None,
-    window: MemoryWindow,
-) -> Trim | None:
-    """The turns that leave the state so that at most ``window.raw_turns`` remain.
-
-    Only complete turns (every call answered) that precede the kept ones leave, each as a
-    whole: a provider rejects a tool call without its answer. Returns ``None`` when nothing
-    leaves.
-    """
-    if window.raw_turns is None:
-        return None
-    turns = _turns(messages)
-    excess = len(turns) - window.raw_turns
-    if excess <= 0:
-        return None
-    leaving = []
-    for turn in turns[:excess]:
-        if not _complete(turn):
-            break  # keep order: an older turn still open keeps every later one too
-        leaving.append(turn)
-    if not leaving:
-        return None
-    earlier = list((memory or {}).get("earlier", []))
-    folded = int((memory or {}).get("folded", 0))
-    last = _last_user(messages)
-    this_turn = {id(m) for m in messages[last + 1 :]}
-    user, _ = decisions_this_turn(messages, None)
-    decisions = int((memory or {}).get("decisions", 0))
-    if (memory or {}).get("user_turn") != user:
-        decisions = 0
-    decisions += sum(1 for turn in leaving if id(turn[0]) in this_turn)
-    removed: list[RemoveMessage] = []
-    step_ids: list[str] = []
-    for turn in leaving:
-        for message in turn:
-            if message.id:
-                removed.append(RemoveMessage(id=message.id))
-            if isinstance(message, ToolMessage):
-                record = steps.get(message.tool_call_id) or {}
-                step_ids.append(message.tool_call_id)
-                earlier.append(_earlier(message, record, window.line_chars))
-    overflow = max(0, len(earlier) - window.summaries)
-    done = folded_done(memory)
-    for step in earlier[:overflow]:
-        if step["status"] == "ok":
-            done[step["tool"]] = done.get(step["tool"], 0) + 1
-    return Trim(
-        messages=removed,
-        steps=[s for s in step_ids if s in steps],
-        memory={
-            "earlier": earlier[overflow:],
-            "folded": folded + overflow,
-            "folded_done": done,
-            "user_turn": user,
-            "decisions": decisions,
-        },
-    )
-
-
-def _earlier(message: ToolMessage, record: Mapping[str, Any], limit: int) -> EarlierStep:
-    status = "failed" if message.status == "error" else "ok"
-    return EarlierStep(
-        tool=str(record.get("using") or message.name or record.get("tool") or "?"),
-        args=_short(record.get("args") or {}, limit),
-        status=status,
-        result=_short(message.content, limit),
-    )
 
 
 def folded_done(memory: MemoryState | None) -> dict[str, int]:
@@ -345,7 +414,8 @@ def folded_done(memory: MemoryState | None) -> dict[str, int]:
 
 
 def earlier_text(memory: MemoryState | None) -> str:
-    """The folded turns as text for the model, or ``""`` when there are none."""
+    """The calls an earlier version folded out of the state, as text for the model, or
+    ``""`` when there are none."""
     earlier = (memory or {}).get("earlier", [])
     folded = int((memory or {}).get("folded", 0))
     if not earlier and not folded:
@@ -355,15 +425,3 @@ def earlier_text(memory: MemoryState | None) -> str:
         lines.append(f"- {folded} earlier tool call(s) not listed")
     lines += [f"- {s['tool']}({s['args']}) -> {s['status']}: {s['result']}" for s in earlier]
     return "\n".join(lines)
-
-
-def model_input(
-    prompt: str | None, memory: MemoryState | None, messages: Sequence[BaseMessage]
-) -> list[BaseMessage]:
-    """What the model sees: the system prompt with the earlier steps, then the messages.
-
-    The earlier steps join the system message rather than a message of their own in the
-    middle of the conversation, which several providers reject.
-    """
-    system = "\n\n".join(part for part in (prompt, earlier_text(memory)) if part)
-    return [SystemMessage(system), *messages] if system else list(messages)

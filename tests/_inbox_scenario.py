@@ -9,6 +9,7 @@ tests count them apart from the agent's store.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -90,3 +91,92 @@ def stop_on_takeover(graph: Any) -> None:
         {"messages": [HumanMessage(GOAL)]}, {"configurable": {"thread_id": THREAD}}
     )
     assert "__interrupt__" in result
+
+
+# --- the warehouse: a shipping agent whose uncertain ship_parcel goes to the inbox ----------
+
+SHIPMENTS = ("ship-1", "ship-2")
+SHIP_GOAL = "reserve the stock of order o-7, print its label, ship the parcel, notify the customer"
+SHIP_PLAN: list[tuple[str, dict[str, Any]]] = [
+    ("reserve_stock", {"order": "o-7"}),
+    ("print_label", {"order": "o-7"}),
+    ("ship_parcel", {"order": "o-7"}),
+    ("notify_customer", {"order": "o-7"}),
+]
+SHIP_ANSWER = "The parcel is on its way and the customer was notified."
+CARRIER_PORTAL = "search the carrier portal for the order id; a parcel there was shipped"
+
+
+def warehouse_tools(service: FileService) -> list[BaseTool]:
+    """Stock (undo: release), label (no undo), the carrier (times out after shipping on its
+    first two calls) and the mailer (times out before sending on its first call). Neither
+    the carrier nor the mailer has a pre-check or deduplicates: both become uncertain."""
+
+    def reserve_stock(order: str) -> str:
+        service.record("reserve_stock", order)
+        return f"stock reserved for {order}"
+
+    def print_label(order: str) -> str:
+        service.record("print_label", order)
+        return f"label printed for {order}"
+
+    def ship_parcel(order: str) -> str:
+        service.record("ship_parcel", order)
+        return f"parcel for {order} handed to the carrier"
+
+    def notify_customer(order: str) -> str:
+        service.record("notify_customer", order)
+        return f"email sent about {order}"
+
+    def release(key: str, args: dict[str, Any], result: Any) -> None:
+        service.record("release_stock", key)
+
+    carrier = testing.FaultyTool(
+        tp.side_effect(
+            StructuredTool.from_function(
+                ship_parcel,
+                description=f"Hand the order's parcel to the carrier.\nVerify: {CARRIER_PORTAL}",
+            )
+        ),
+        lambda n: (False, n <= 2),
+        TimeoutError,
+    )
+    mailer = testing.FaultyTool(
+        tp.side_effect(
+            StructuredTool.from_function(notify_customer, description="Email the customer.")
+        ),
+        lambda n: (n == 1, False),
+        TimeoutError,
+    )
+    return [
+        tp.side_effect(
+            StructuredTool.from_function(reserve_stock, description="Reserve the stock."),
+            compensate=release,
+        ),
+        tp.side_effect(StructuredTool.from_function(print_label, description="Print a label.")),
+        carrier.tool,
+        mailer.tool,
+    ]
+
+
+def build_warehouse(cp: Any, service: FileService) -> Any:
+    """The shipping agent on ``cp``."""
+    model = testing.ScriptedModel(plan=SHIP_PLAN, answer=SHIP_ANSWER)
+    return tp.create_recovery_agent(model, warehouse_tools(service), checkpointer=cp)
+
+
+def stop_on_shipping(graph: Any, thread_id: str) -> None:
+    """Run a shipment until it waits on a person about ``ship_parcel``."""
+    result = graph.invoke(
+        {"messages": [HumanMessage(SHIP_GOAL)]}, {"configurable": {"thread_id": thread_id}}
+    )
+    assert "__interrupt__" in result
+
+
+WAREHOUSE_DB = "TASKPILOTS_TEST_WAREHOUSE_DB"
+"""Environment variable naming the warehouse's service file for :func:`make_warehouse`."""
+
+
+def make_warehouse(checkpointer: Any) -> Any:
+    """The shipping agent as a ``--graph`` factory for the CLI (service file from the env)."""
+    return build_warehouse(checkpointer, FileService(Path(os.environ[WAREHOUSE_DB])))

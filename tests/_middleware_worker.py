@@ -64,9 +64,12 @@ def build_agent(mode: str, cp: Any, services: Services, *, precheck: bool = True
     else:
         raise SystemExit(f"unknown mode {mode!r}; use 'recovery' or 'retry'")
     model = PlanModel(plan=[("open_ticket", {"subject": "$msg"})])
-    return create_agent(
-        model, [ticket_tool(services, precheck=precheck)], checkpointer=cp, middleware=middleware
-    )
+    ticket = ticket_tool(services, precheck=precheck)
+    if mode == "retry" and isinstance(ticket, tp.SideEffectTool):
+        # Without the ledger a declared tool refuses to run: the comparison gets the tool as
+        # a create_agent user without taskpilots has it, undeclared.
+        ticket = ticket.tool
+    return create_agent(model, [ticket], checkpointer=cp, middleware=middleware)
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ from contextlib import closing, contextmanager
 from typing import Any
 
 from _models import RESUME_MESSAGE, ScriptedChatModel, tool_call
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import BaseTool, tool
 
 import taskpilots_graph as tp
@@ -165,12 +166,22 @@ def travel_tools(desk: TravelDesk) -> list[BaseTool]:
     ]
 
 
+_FOLDED_OK = re.compile(r"^- (\w+)\((\{.*\})\) -> ok: ", re.MULTILINE)
+
+
 def _succeeded(messages: Sequence[BaseMessage]) -> list[tuple[str, dict[str, Any]]]:
-    """The tool calls of the conversation that got a successful answer."""
+    """The tool calls of the conversation that got a successful answer, including those a
+    context budget folded into the system message as ``- tool({args}) -> ok: ...`` lines."""
     answers = {
         m.tool_call_id: m for m in messages if isinstance(m, ToolMessage) and m.status != "error"
     }
-    return [
+    folded = [
+        (name, json.loads(args))
+        for m in messages
+        if isinstance(m, SystemMessage)
+        for name, args in _FOLDED_OK.findall(str(m.content))
+    ]
+    return folded + [
         (c["name"], dict(c["args"]))
         for m in messages
         if isinstance(m, AIMessage)

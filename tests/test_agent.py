@@ -245,7 +245,9 @@ def test_side_effect_as_decorator_above_tool() -> None:
     assert spec.precheck is ticket_exists
     assert spec.key is not None
     assert spec.key({"subject": "late"}) == "ticket:late"
-    assert create_ticket.invoke({"subject": "late"}) == "ticket late"  # direct call: just runs
+    # A direct call would perform the effect with nothing recording it: refused, with the fix.
+    with pytest.raises(ConfigurationError, match=r"tp\.ToolNode\(tools\)"):
+        create_ticket.invoke({"subject": "late"})
 
 
 def test_side_effect_called_on_base_tool() -> None:
@@ -258,7 +260,10 @@ def test_side_effect_called_on_base_tool() -> None:
     spec = spec_of(wrapped)
     assert spec is not None
     assert spec.idempotent is True
-    assert wrapped.invoke({"order": "o-1", "amount": 5.0}) == "refunded o-1"
+    assert original.invoke({"order": "o-1", "amount": 5.0}) == "refunded o-1"
+    # Outside the ledger the declared tool does not run: nothing would record the effect.
+    with pytest.raises(ConfigurationError, match="outside the side-effect ledger"):
+        wrapped.invoke({"order": "o-1", "amount": 5.0})
 
 
 def test_side_effect_rejects_non_tools() -> None:

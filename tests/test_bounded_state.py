@@ -1,5 +1,6 @@
-"""Bounded state in the agent: large results as artifacts, the memory window, checkpoint
-density and retention, on real SQLite files and PostgreSQL (the ``cp`` fixture)."""
+"""Bounded state in the agent: large results as artifacts, checkpoint density and retention,
+on real SQLite files and PostgreSQL (the ``cp`` fixture). What the model sees of a long
+conversation (the context budget) is tested in ``test_context_budget.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from langchain_core.messages import (
     AIMessage,
     BaseMessage,
     HumanMessage,
-    SystemMessage,
     ToolMessage,
 )
 from langchain_core.tools import BaseTool, StructuredTool
@@ -27,7 +27,7 @@ from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.locks.base import thread_lease_name
 from taskpilots_graph.locks.memory import MemoryLeaseBackend
-from taskpilots_graph.window import MemoryWindow, ObservationPolicy, earlier_text, plan_trim
+from taskpilots_graph.window import ObservationPolicy
 
 BIG = 10 * 1024 * 1024
 
@@ -129,89 +129,6 @@ def test_small_results_stay_whole_and_none_policy_keeps_everything(
     )
     assert answer.artifact is None
     assert json.loads(str(answer.content))["n"] == 0
-
-
-# --- the memory window --------------------------------------------------------------------------
-
-
-def test_state_keeps_a_window_and_the_log_keeps_every_step(cp: tp.RecoveryCheckpointer) -> None:
-    calls: list[int] = []
-    model = CountingModel(steps=12)
-    window = MemoryWindow(raw_turns=3, summaries=4)
-    graph = tp.create_recovery_agent(
-        model, [page_tool(calls)], checkpointer=cp, memory_window=window
-    )
-    graph.invoke({"messages": [HumanMessage("read twelve pages")]}, _config("t-win"))
-
-    assert calls == list(range(12))
-    state = graph.get_state(_config("t-win")).values
-    messages = state["messages"]
-    assert isinstance(messages[0], HumanMessage)  # the goal never leaves
-    tool_answers = [m for m in messages if isinstance(m, ToolMessage)]
-    assert [json.loads(str(m.content))["n"] for m in tool_answers] == [9, 10, 11]
-    assert len(state["steps"]) == 3
-    memory = state["memory"]
-    assert [json.loads(s["args"].replace("'", '"'))["n"] for s in memory["earlier"]] == [
-        5,
-        6,
-        7,
-        8,
-    ]
-    assert memory["folded"] == 5
-    # The model was shown the folded steps in its system message.
-    system = model.inputs[-1][0]
-    assert isinstance(system, SystemMessage)
-    assert "5 earlier tool call(s) not listed" in str(system.content)
-    assert "page({'n': 8}) -> ok" in str(system.content)
-    # The event log keeps the whole trail once.
-    succeeded = [e for e in cp.events("t-win") if e.kind is EventKind.TOOL_SUCCEEDED]
-    assert len(succeeded) == 12
-
-
-def test_stuck_detection_counts_decisions_beyond_the_window(cp: tp.RecoveryCheckpointer) -> None:
-    calls: list[int] = []
-    model = CountingModel(steps=100)
-    graph = tp.create_recovery_agent(
-        model,
-        [page_tool(calls)],
-        checkpointer=cp,
-        memory_window=MemoryWindow(raw_turns=1),
-        max_steps=6,
-    )
-    graph.invoke({"messages": [HumanMessage("loop")]}, _config("t-stuck"))
-    assert len(calls) == 6
-    assert [r.thread_id for r in tp.pending_takeovers(cp, thread_ids=["t-stuck"])] == ["t-stuck"]
-
-
-def test_plan_trim_keeps_open_turns_and_user_messages() -> None:
-    human = HumanMessage("goal", id="h")
-    ai1 = AIMessage("", id="a1", tool_calls=[{"name": "x", "args": {}, "id": "c1"}])
-    t1 = ToolMessage("r1", tool_call_id="c1", name="x", id="t1")
-    ai2 = AIMessage("", id="a2", tool_calls=[{"name": "x", "args": {}, "id": "c2"}])
-    later = HumanMessage("also this", id="h2")
-    ai3 = AIMessage("", id="a3", tool_calls=[{"name": "x", "args": {}, "id": "c3"}])
-    t3 = ToolMessage("r3", tool_call_id="c3", name="x", id="t3")
-    # ai2's call is unanswered: it and everything after it stay.
-    window = MemoryWindow(raw_turns=1)
-    trim = plan_trim(
-        [human, ai1, t1, ai2, later, ai3, t3], {"c1": {"args": {"q": 1}}}, None, window
-    )
-    assert trim is not None
-    assert [r.id for r in trim.messages] == ["a1", "t1"]
-    assert trim.steps == ["c1"]
-    assert trim.memory["earlier"][0]["args"] == "{'q': 1}"
-    assert plan_trim([human, ai1, t1], {}, None, window) is None
-    assert plan_trim([human, ai1, t1, ai3, t3], {}, None, MemoryWindow(raw_turns=None)) is None
-    assert earlier_text(None) == ""
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"raw_turns": 0}, {"summaries": -1}, {"line_chars": 5}],
-)
-def test_memory_window_validates(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ConfigurationError):
-        MemoryWindow(**kwargs)
 
 
 def test_observation_policy_and_density_validate() -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -134,6 +136,45 @@ def test_every_command_has_help(command: str | None) -> None:
             assert name in result.output
 
 
+def test_help_shows_no_type_labels_and_every_decision() -> None:
+    """Flags carry no ``<bool>`` label; ``decide --help`` names every action, ``accept`` too."""
+    from taskpilots_graph.takeover import DECISION_ACTIONS, DRIFT_ACTIONS
+
+    for command in [None, *COMMANDS]:
+        result = invoke(*([command] if command else []), "--help", env={"COLUMNS": "80"})
+        assert "<bool>" not in result.output, (command, result.output)
+        assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
+    decide = invoke("decide", "--help", env={"COLUMNS": "200"}).output
+    for action in {*DECISION_ACTIONS, *DRIFT_ACTIONS}:
+        assert action in decide, action
+
+
+def test_python_m_runs_the_same_app(db: str) -> None:
+    """``python -m taskpilots_graph`` is the ``taskpilots`` app: same commands, same output."""
+    from taskpilots_graph.__main__ import main
+
+    script = Path(sys.executable).parent / "taskpilots"
+    for args in (["threads", "--db", db, "--json"], ["show", "t", "--db", db]):
+        by_module = subprocess.run(
+            [sys.executable, "-m", "taskpilots_graph", *args],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        by_script = subprocess.run(
+            [str(script), *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert by_module.returncode == by_script.returncode == 0, by_module.stderr
+        assert by_module.stdout == by_script.stdout
+    assert main(["show", "nope", "--db", db]) == 1
+    assert main(["no-such-command"]) == 2  # a usage error, as click reports it
+
+
+def test_service_commands_exit_2_on_a_configuration_mistake(db: str) -> None:
+    """``supervise`` with a bad ``--graph``: one line, status 2 (a process manager stops)."""
+    result = invoke("supervise", "--graph", "no_such_module_xyz:graph", "--db", db, "--once")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: cannot import")
+
+
 # --- reading ------------------------------------------------------------------------------
 
 
@@ -164,7 +205,7 @@ def test_threads_reads_the_database_from_the_environment(db: str, name: str) -> 
 
 
 def test_show_gives_timeline_ledger_step_and_takeover(store: str) -> None:
-    """``show`` has the events, the uncertain ledger entry and the takeover naming it."""
+    """``show --json`` has the events, the uncertain ledger entry and the takeover naming it."""
     result = invoke("show", "t", "--db", store, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -176,12 +217,38 @@ def test_show_gives_timeline_ledger_step_and_takeover(store: str) -> None:
     assert kinds[0] == "agent_started"
     assert "takeover_requested" in kinds
     assert data["takeover"]["uncertain_effects"][0]["key"] == uncertain["key"]
+    assert [step["kind"] for step in data["replay"]["steps"]] == kinds
 
-    text = invoke("show", "t", "--db", store, "--replay")
+
+def test_show_tells_the_story_by_default(store: str) -> None:
+    """Without options ``show`` is the replayed run, the ledger and the takeover."""
+    text = invoke("show", "t", "--db", store)
     assert text.exit_code == 0, text.output
+    lines = text.stdout.splitlines()
+    assert lines[0].startswith("thread t: awaiting_human")
+    assert any(re.search(r"^\s+\d+\. .* tool +call reserve\(", line) for line in lines), lines
+    assert any("model" in line and "decides: charge(" in line for line in lines), lines
     assert "takeover requested" in text.stdout
-    assert uncertain["key"] in text.stdout
-    assert "Replay of thread 't'" in text.stdout
+    assert "Replay of thread" not in text.stdout  # the story, not the old dump
+    assert "\nevents (" not in text.stdout  # the raw rows only with --events
+    with_events = invoke("show", "t", "--db", store, "--events")
+    assert "takeover_requested" in with_events.stdout
+    # --replay, the old way to ask for the story, still works and changes nothing.
+    assert invoke("show", "t", "--db", store, "--replay").stdout == text.stdout
+
+
+@pytest.mark.parametrize("command", [["threads"], ["show", "t", "--events"], ["metrics"]])
+def test_output_fits_80_columns_without_breaking_words(db: str, command: list[str]) -> None:
+    """At 80 columns no line is longer, and no tool name is split across lines."""
+    result = invoke(*command, "--db", db, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, [ln for ln in lines if len(ln) > 80]
+    words = set(re.findall(r"[\w-]+", result.stdout))
+    for fragment in ("cha", "rge", "res", "erve"):  # what wrapping inside a cell leaves
+        assert fragment not in words, result.stdout
+    wide = invoke(*command, "--db", db, env={"COLUMNS": "200"})
+    assert max(len(line) for line in wide.stdout.splitlines()) <= 200
 
 
 def test_metrics_as_json_and_prometheus(store: str) -> None:
@@ -342,7 +409,28 @@ def test_a_file_that_is_not_sqlite_is_one_line(tmp_path: Path) -> None:
     """A file that is no SQLite database: one line."""
     junk = tmp_path / "notes.txt"
     junk.write_text("not a database " * 100)
-    assert_one_line_error(invoke("threads", "--db", str(junk)), "not")
+    assert_one_line_error(invoke("threads", "--db", str(junk)), "not a usable SQLite")
+
+
+def test_another_programs_sqlite_file_is_refused_untouched(tmp_path: Path) -> None:
+    """A SQLite file of some other program: "not a taskpilots store", and no table added."""
+    other = tmp_path / "crm.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE customers (id TEXT)")
+    for command in (["threads"], ["show", "t"], ["metrics"]):
+        assert_one_line_error(invoke(*command, "--db", str(other)), "not a taskpilots store")
+    with sqlite3.connect(other) as conn:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    assert tables == ["customers"]
+    # A plain LangGraph store is a taskpilots store to be: accepted.
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    plain = tmp_path / "plain.db"
+    with SqliteSaver.from_conn_string(str(plain)) as saver:
+        saver.setup()
+    result = invoke("threads", "--db", str(plain))
+    assert result.exit_code == 0, result.output
+    assert "no threads" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ from langchain_core.tools import StructuredTool
 import taskpilots_graph as tp
 from taskpilots_graph.coordinator import (
     CoordinationPlan,
+    Share,
+    SharePolicy,
     SubAgentState,
     attempt_thread_id,
     await_lock,
@@ -88,11 +90,77 @@ def test_plan_recovery_rebuilds_an_independent_failure_alone() -> None:
     assert decision.rerun == ("crm",)
 
 
+def test_plan_recovery_keeps_shared_effects_by_default_and_reruns_the_failed_alone() -> None:
+    """Default policy: a failure that touched a shared object undoes nothing and re-runs
+    only the failed sub-task; its effects on the object are reported kept."""
+    plan = CoordinationPlan.build(
+        ["crm", "ticketing", "billing"], shares={"crm": ["c1"], "ticketing": ["c1"]}
+    )
+    decision = plan_recovery(
+        plan,
+        "crm",
+        [("k1", "crm_sync", "c1"), ("k2", "note", None)],
+        started=["crm", "ticketing", "billing"],
+        attempts=1,
+        max_attempts=2,
+        sharers={"ticketing": [("t1", "open_ticket", "c1")]},
+    )
+    assert decision.compensate == ()
+    assert decision.rerun == ("crm",)
+    assert [(e.key, e.owner) for e in decision.kept] == [("k1", "crm")]
+
+
+def test_plan_recovery_compensates_sharers_once_under_the_compensate_policy() -> None:
+    """Policy ``compensate``: the failed sub-task's and every sharer's committed effects on
+    the object are listed once, the failed one's first; effects without a compensator are
+    kept; sharers that never started are left alone."""
+    c1 = Share("c1", policy="compensate")
+    plan = CoordinationPlan.build(
+        ["picker", "packer", "shipper", "late"],
+        {"shipper": ["picker", "packer"]},
+        {"picker": [c1], "packer": ["c1"], "shipper": [c1], "late": ["c1"]},
+    )
+    decision = plan_recovery(
+        plan,
+        "shipper",
+        [("s1", "book_carrier", "c1")],
+        started=["picker", "packer", "shipper"],
+        attempts=1,
+        max_attempts=2,
+        sharers={
+            "picker": [("p1", "reserve_stock", "c1"), ("p2", "reserve_stock", "c1")],
+            "packer": [("k1", "pack_order", "c1")],
+        },
+        undoable={"s1", "p1", "p2"},
+    )
+    assert decision.compensate == ("s1", "p2", "p1")
+    assert [e.owner for e in decision.shared] == ["shipper", "picker", "picker"]
+    assert [(e.key, e.owner) for e in decision.kept] == [("k1", "packer")]
+    assert decision.rerun == ("shipper", "picker", "packer")
+
+
+def test_share_policies_are_validated_per_object() -> None:
+    with pytest.raises(tp.ConfigurationError, match="two policies"):
+        CoordinationPlan.build(
+            ["a", "b"], shares={"a": [Share("o", "compensate")], "b": [Share("o")]}
+        )
+    with pytest.raises(tp.ConfigurationError, match="must be one of"):
+        Share("o", policy="undo")  # type: ignore[arg-type]
+    with pytest.raises(tp.ConfigurationError, match="non-empty"):
+        Share("")
+    with pytest.raises(tp.ConfigurationError, match="not one value"):
+        CoordinationPlan.build(["a"], shares={"a": Share("o")})  # type: ignore[dict-item]
+    plan = CoordinationPlan.build(["a", "b"], shares={"a": ["o"], "b": [Share("o", "compensate")]})
+    assert plan.policy("o") is SharePolicy.COMPENSATE  # a plain id takes the declared policy
+    assert plan.policy("elsewhere") is SharePolicy.KEEP
+    assert plan.policy_payload() == {"o": "compensate"}
+
+
 def test_plan_recovery_compensates_shared_effects_then_reruns_readers() -> None:
     plan = CoordinationPlan.build(
         ["crm", "ticketing", "notify", "billing"],
         {"notify": ["ticketing"]},
-        {"crm": ["c1"], "ticketing": ["c1"], "notify": [], "billing": ["c2"]},
+        {"crm": [Share("c1", "compensate")], "ticketing": ["c1"], "notify": [], "billing": ["c2"]},
     )
     decision = plan_recovery(
         plan,
@@ -316,11 +384,13 @@ def test_shared_failure_is_compensated_once_before_dependents_rerun(
                 cp, [("notify", {**c, "message": "welcome"})], [tools["notify"]], **kw
             ),
         }
+        # The record's policy: a failure that changed it undoes the changes (default: keep).
+        record = Share("cust-7", policy="compensate")
         coordinator = create_coordinator(
             graphs,
             checkpointer=cp,
             leases=leases,
-            shares={"crm": ["cust-7"], "ticketing": ["cust-7"], "notify": ["cust-7"]},
+            shares={"crm": [record], "ticketing": [record], "notify": [record]},
             poll_interval=0.05,
         )
         report = coordinator.run("shared-1", _inputs("crm", "ticketing", "notify"))
@@ -353,6 +423,12 @@ def test_shared_failure_is_compensated_once_before_dependents_rerun(
         "crm_sync",
     ]
     assert services.tier("cust-7") == "gold"
+    # Every attempt continued its sub-agent's own thread: notify's re-run got its message
+    # back from the ledger instead of sending it again.
+    assert {r.thread_id for r in report.subagents.values()} == {
+        f"shared-1/{n}" for n in ("crm", "ticketing", "notify")
+    }
+    assert services.calls("notify") == 1
 
 
 def test_independent_failure_is_rebuilt_alone(tmp_path: Path) -> None:

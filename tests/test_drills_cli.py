@@ -5,7 +5,9 @@ Both graphs below follow the same plan with a scripted model: ``kb_search`` (pur
 a SQLite file of its own (``$TASKPILOTS_TEST_DRILL_SERVICE``), outside the agent's
 process and database, so the crash drill's child processes share it and a repeated ticket
 is visible independently of the drill's own journal. ``create_ticket`` has a pre-check
-(look the invocation key up in the service); ``send_email`` is declared idempotent.
+(look the invocation key up in the service); ``send_email`` is declared idempotent. The
+factories are marked ``@drill_graph`` (their tools are these test doubles); the same agent
+unmarked stands for a factory built on real tools.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typer.testing import CliRunner
 
 import taskpilots_graph as tp
 from taskpilots_graph.cli import app
+from taskpilots_graph.drills import drill_graph
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +82,7 @@ def _ticket_precheck(key: str, args: dict[str, Any]) -> Any:
     return tp.Done(f"create_ticket {row[0]} done", proof={"key": key}) if row else tp.NotDone()
 
 
-def make_agent(checkpointer: tp.RecoveryCheckpointer) -> Any:
-    """The recovery agent: pre-checked ticket, idempotent e-mail."""
+def _agent(checkpointer: tp.RecoveryCheckpointer) -> Any:
     tools = [
         _search(),
         tp.side_effect(_effect("create_ticket"), precheck=_ticket_precheck),
@@ -89,6 +91,18 @@ def make_agent(checkpointer: tp.RecoveryCheckpointer) -> Any:
     return tp.create_recovery_agent(PlanModel(plan=PLAN), tools, checkpointer=checkpointer)
 
 
+@drill_graph
+def make_agent(checkpointer: tp.RecoveryCheckpointer) -> Any:
+    """The recovery agent: pre-checked ticket, idempotent e-mail."""
+    return _agent(checkpointer)
+
+
+def make_unmarked(checkpointer: tp.RecoveryCheckpointer) -> Any:
+    """The same agent, not declared to use test doubles (as a factory of real tools)."""
+    return _agent(checkpointer)
+
+
+@drill_graph
 def make_plain(checkpointer: Any) -> Any:
     """Plain LangGraph: model node + ``ToolNode``, the same tools without a ledger."""
     model = PlanModel(plan=PLAN)
@@ -194,8 +208,34 @@ def test_drill_refuses_what_it_cannot_drill(service: Path, args: list[str], word
     """A compiled graph, bad JSON or an unknown tool: one line, exit 1, no traceback."""
     result = drill(*args, "--no-crash")
     assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1
+    # The line saying what is drilled may come first; then one error line.
+    lines = [ln for ln in result.stderr.strip().splitlines() if not ln.startswith("drilling ")]
+    assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ")
     assert words in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_an_unmarked_factory_is_refused_before_any_tool_runs(service: Path) -> None:
+    """Without ``@drill_graph`` or ``--real-effects``: one line naming both, nothing run."""
+    result = drill("--graph", "test_drills_cli:make_unmarked", "--no-crash")
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for words in ("not marked as building its tools on test doubles", "--real-effects"):
+        assert words in lines[0]
+    assert "drill_graph" in lines[0]
+    assert not service.exists()  # no tool ran: the service never even opened its file
+
+
+def test_real_effects_says_so_before_it_starts(service: Path) -> None:
+    """``--real-effects`` drills an unmarked factory, after a warning; the report says so."""
+    result = drill("--graph", "test_drills_cli:make_unmarked", "--no-crash", "--real-effects")
+    assert result.exit_code == 0, result.output
+    first = result.stderr.strip().splitlines()[0]
+    assert first.startswith("warning: drilling test_drills_cli:make_unmarked with --real-effects")
+    assert "(real services)" in result.stdout
+    marked = drill("--graph", "test_drills_cli:make_agent", "--no-crash", "--json")
+    assert marked.stderr.startswith("drilling test_drills_cli:make_agent: marked @drill_graph")
+    assert json.loads(marked.stdout)["real_effects"] is False

@@ -341,3 +341,62 @@ def test_drifted_result_is_shown_with_both_values() -> None:
     assert all(b.all_text() != "new" for b in root.find_all("b"))
     assert fields["difference"] == "price: 10 -> 12"
     assert [r[0] for r in rows(root.find("table", "tp-options"))] == ["accept", "abandon"]
+
+
+def test_retry_on_a_virtual_clock_of_its_own_prints_no_foreign_date(runs: Runs) -> None:
+    """``t-retry`` ran on ``testing.fake_clock()`` (a fixed day in 2023): its retry rows say
+    the due time is on the engine's own clock instead of printing that date beside today's
+    log times, in the table and in ``repr``."""
+    view = notebook.timeline(runs.cp, "t-retry")
+    table = parse(view._repr_html_()).find("table", "tp-timeline-table")
+    retries = [r[7] for r in rows(table) if r[4] == "retry_scheduled"]
+    assert len(retries) == 2
+    assert all("engine's own (virtual) clock" in text for text in retries), retries
+    for shown in (view._repr_html_(), repr(view)):
+        assert "2023-" not in shown
+
+
+def test_retry_due_time_reads_as_a_time_and_an_offset_of_its_row(sqlite_path: str) -> None:
+    """On a clock that starts at the real time (real, or the notebooks' virtual one), a
+    retry row gives its due time in the time column's format and how long after the row it
+    falls: the backoff."""
+    import re
+    import time
+    from datetime import datetime
+
+    from langchain_core.tools import tool
+
+    from taskpilots_graph import testing
+
+    @tool
+    def kb_search(query: str) -> str:
+        """Search."""
+        return "article"
+
+    flaky = testing.failing(kb_search, times=1, exc=TimeoutError("read timed out"))
+    policy = tp.ToolPolicy(max_attempts=3, backoff=tp.Backoff(initial=2.0, jitter=False))
+    with tp.RecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as cp:
+        cp.setup()
+        graph = tp.create_recovery_agent(
+            testing.ScriptedModel(plan=[("kb_search", {"query": "refund"})]),
+            [flaky.tool],
+            checkpointer=cp,
+            policies={"kb_search": policy},
+        )
+        with testing.fake_clock(start=time.time()) as clock:
+            tp.run(graph, "t-1", {"messages": [("user", "find it")]})
+        view = notebook.timeline(cp, "t-1")
+    assert clock.slept == [2.0]
+    table = parse(view._repr_html_()).find("table", "tp-timeline-table")
+    ((logged, text),) = [(r[1], r[7]) for r in rows(table) if r[4] == "retry_scheduled"]
+    found = re.fullmatch(
+        r"retry of kb_search due (\d\d:\d\d:\d\d\.\d{3}), \+(\d+\.\d{3}) s after this row \(.*\)",
+        text,
+    )
+    assert found is not None, text
+    due, ahead = found.groups()
+    assert 1.0 < float(ahead) <= 2.0  # the 2 s backoff, less the time the run took to log it
+    # Same clock, same format: the due time is the row's time plus the offset shown.
+    gap = datetime.strptime(due, "%H:%M:%S.%f") - datetime.strptime(logged, "%H:%M:%S.%f")
+    assert abs(gap.total_seconds() % 86_400 - float(ahead)) < 0.002
+    assert f"due {due}" in repr(view)

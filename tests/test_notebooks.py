@@ -4,7 +4,9 @@ The notebooks are stored without outputs and import only the public API (``taskp
 plus its ``testing`` and ``notebook`` modules). Each runs in a fresh kernel with the test's
 temporary folder as working directory; any cell error fails the test. The exported HTML of
 ``04_crash_and_resume`` (``jupyter nbconvert --execute --to html``, as a reader would make it)
-must show the timeline and the ledger of the crashed-then-resumed thread.
+must show the timeline and the ledger of the crashed-then-resumed thread, and, opened in
+Chromium with JupyterLab's own stylesheet, paint every timeline row in the colour of its
+legend badge (JupyterLab stripes table rows with more specific selectors).
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from playwright.sync_api import Route, sync_playwright
 
 pytestmark = pytest.mark.slow
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 180
+CHROMIUM = "/usr/bin/chromium"
 PUBLIC_MODULES = {"taskpilots_graph", "taskpilots_graph.testing", "taskpilots_graph.notebook"}
 _IMPORT = re.compile(r"^\s*(?:from|import)\s+(taskpilots_graph[\w.]*)", re.MULTILINE)
 
@@ -150,3 +155,75 @@ def test_exported_html_of_crash_and_resume_shows_timeline_and_ledger(tmp_path: P
     ]
     assert "found" in after[0][7]  # the ticket's proof is the pre-check's
     assert "<script>alert" not in page
+
+    painted = _painted(tmp_path / "04_crash_and_resume.html")
+    legend: dict[str, str] = painted["legend"]
+    assert len(legend) == 11
+    assert len(set(legend.values())) == 11, legend  # each state its own colour
+    rows = painted["timeline"]
+    assert [r["event"] for r in rows] == events
+    for row in rows:
+        # The whole row, every cell, is painted with its legend badge's colour: not the
+        # stripe JupyterLab gives odd and even rows.
+        assert set(row["cells"]) == {legend[row["state"]]}, row
+        assert row["align"] == "left", row
+    states = {r["event"]: r["state"] for r in rows}
+    assert states["effect_reconciled"] == "tp-s-reconciled"
+    assert states["run_resumed"] == "tp-s-resumed"
+    assert states["agent_finished"] == "tp-s-closed"
+    # The ledger's rows use the same colours: committed reads as "ok", intended as "waiting".
+    ledgers = painted["ledgers"]
+    assert [r["cells"] for r in ledgers[0]] == [[legend["tp-s-waiting"]] * 10]
+    assert [r["cells"] for r in ledgers[1]] == [[legend["tp-s-ok"]] * 10] * 2
+
+
+# What a reader sees: the background actually painted behind each cell (its own, else the
+# nearest ancestor's), the legend badges' colours, and the alignment of the last column.
+_PAINTED_JS = """() => {
+  const painted = (el) => {
+    for (let e = el; e; e = e.parentElement) {
+      const bg = getComputedStyle(e).backgroundColor;
+      if (bg && bg !== "rgba(0, 0, 0, 0)" && bg !== "transparent") return bg;
+    }
+    return null;
+  };
+  const state = (el) => [...el.classList].find((c) => c.startsWith("tp-s-")) || null;
+  const rows = (table) => [...table.querySelectorAll("tbody tr")].map((tr) => ({
+    state: state(tr),
+    event: tr.children.length > 4 ? tr.children[4].textContent : null,
+    cells: [...tr.children].map(painted),
+    align: getComputedStyle(tr.lastElementChild).textAlign,
+  }));
+  const view = document.querySelector(".tp-timeline");
+  const legend = {};
+  for (const badge of view.querySelectorAll(".tp-legend .tp-badge")) {
+    legend[state(badge)] = painted(badge);
+  }
+  return {
+    legend,
+    timeline: rows(view.querySelector("table.tp-timeline-table")),
+    ledgers: [...document.querySelectorAll("table.tp-ledger-table")].map(rows),
+  };
+}"""
+
+
+def _offline(route: Route) -> None:
+    # The export links MathJax and friends from a CDN; the test runs offline.
+    if route.request.url.startswith("file:"):
+        route.continue_()
+    else:
+        route.abort()
+
+
+def _painted(page_path: Path) -> dict[str, Any]:
+    """Open the exported page in headless Chromium and read what it paints."""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page()
+            page.route("**/*", _offline)
+            page.goto(page_path.as_uri(), wait_until="domcontentloaded")
+            found: dict[str, Any] = page.evaluate(_PAINTED_JS)
+            return found
+        finally:
+            browser.close()

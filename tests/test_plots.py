@@ -121,11 +121,48 @@ def test_call_cut_off_by_a_crash_is_grey() -> None:
         _event(5, tp.EventKind.AGENT_FINISHED, status="closed"),
     ]
     fig = notebook.plot_timeline(build_replay("t-crash", events))
-    assert gids(fig) == Counter({"tp-call": 1, "tp-resume": 1, "tp-finished": 1})
+    assert gids(fig) == Counter({"tp-call": 1, "tp-resume": 1, "tp-precheck": 1, "tp-finished": 1})
     assert colours(fig, "tp-call") == ["#8c959f"]
     (bar,) = [p for p in fig.axes[0].patches if p.get_gid() == "tp-call"]
     assert bar.get_x() == 1.0  # invoked one second after the start, cut off right away
     assert bar.get_width() < 0.1
+
+
+@pytest.mark.parametrize(("outcome", "colour"), [("done", "#2da44e"), ("not_done", "#d4a72c")])
+def test_pre_check_after_a_crash_is_marked_and_labelled(outcome: str, colour: str) -> None:
+    """The pre-check that settled the effect a crash left unrecorded is a labelled star on
+    the tool's lane, at the moment it ran, coloured by what it found; the call the crash
+    cut off ends where the dead process stopped."""
+    from taskpilots_graph.replay import build_replay
+
+    call = {"tool": "create_ticket", "tool_call_id": "c1", "key": "k1"}
+    events = [
+        _event(1, tp.EventKind.AGENT_STARTED, goal="go"),
+        _event(2, tp.EventKind.TOOL_INVOKED, tool="lookup", tool_call_id="c0", args={}),
+        _event(3, tp.EventKind.TOOL_SUCCEEDED, tool="lookup", tool_call_id="c0", result="x"),
+        _event(4, tp.EventKind.TOOL_INVOKED, **call, args={}),
+        # tp.resume settles the ledger first, then logs that the run resumed.
+        _event(9, tp.EventKind.EFFECT_RECONCILED, **call, outcome=outcome),
+        _event(10, tp.EventKind.RUN_RESUMED, next=["act"]),
+        _event(11, tp.EventKind.AGENT_FINISHED, status="closed"),
+    ]
+    fig = notebook.plot_timeline(build_replay("t-crash", events))
+    ax = fig.axes[0]
+    (star,) = [line for line in ax.lines if line.get_gid() == "tp-precheck"]
+    assert list(star.get_xdata()) == [8.0]  # nine seconds after the start, before resuming
+    assert list(star.get_ydata()) == [1]  # the create_ticket lane, not lookup's
+    # The cut-off call ends where its process stopped, not at the resumer's pre-check.
+    cut = [p for p in ax.patches if p.get_gid() == "tp-call"][-1]
+    assert cut.get_x() == 3.0
+    assert cut.get_width() < 0.1
+    assert star.get_marker() == "*"
+    assert matplotlib.colors.to_hex(star.get_color()) == colour
+    labels = [text.get_text() for text in ax.texts]
+    assert labels == [f"pre-check: {outcome.replace('_', ' ')}"]
+    legend = ax.get_legend()
+    assert legend is not None
+    assert "pre-check" in [text.get_text() for text in legend.get_texts()]
+    assert renders(fig)
 
 
 def test_batch_metrics(runs: Runs) -> None:

@@ -27,7 +27,7 @@ import pytest
 from _models import PlanModel
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import StructuredTool
 from pydantic import Field
@@ -609,11 +609,12 @@ class Crash(BaseException):
     """Stands in for the process dying: no ``except Exception`` on the way catches it."""
 
 
-@pytest.mark.parametrize("summaries", [6, 1])
+@pytest.mark.parametrize("budget", [None, 150])
 def test_resume_prompt_counts_steps_the_window_folded(
-    cp: tp.RecoveryCheckpointer, summaries: int
+    cp: tp.RecoveryCheckpointer, budget: int | None
 ) -> None:
-    """raw_turns=1 and 5 calls, a crash in the 5th: the prompt counts and names all 5."""
+    """5 calls, a crash in the 5th: the prompt counts and names all 5, with or without a
+    context budget folding the earlier ones out of the model's view."""
     crashes = [Crash("killed in the fifth call")]
     plan = [("page", {"n": n}) for n in range(3)] + [("fetch", {"n": n}) for n in (3, 4)]
 
@@ -632,12 +633,20 @@ def test_resume_prompt_counts_steps_the_window_folded(
         model,
         [StructuredTool.from_function(page), StructuredTool.from_function(fetch)],
         checkpointer=cp,
-        memory_window=tp.MemoryWindow(raw_turns=1, summaries=summaries),
+        memory_window=None if budget is None else tp.MemoryWindow(max_tokens=budget),
     )
     config = {"configurable": {"thread_id": "t-fold"}}
     with pytest.raises(Crash):
         graph.invoke({"messages": [HumanMessage("read and fetch")]}, config)  # type: ignore[arg-type]
     asked = len(model.inputs)
+
+    # Under the budget the model saw the earlier calls folded into its system message.
+    shown_folded = any(
+        isinstance(m, SystemMessage) and "folded out of the conversation" in str(m.content)
+        for shown in model.inputs
+        for m in shown
+    )
+    assert shown_folded == (budget is not None)
 
     tp.resume(graph, "t-fold")
 

@@ -49,6 +49,16 @@ def test_help_imports_no_framework_module(module: str) -> None:
     assert _from(modules, OPTIONAL) == []
 
 
+@pytest.mark.parametrize("module", ["taskpilots_graph", "taskpilots_graph.cli"])
+def test_help_is_plain_text_without_rich(module: str) -> None:
+    """Help is click's plain text: no rich module is loaded (nor any ``<bool>`` label)."""
+    proc, modules = _imported("-m", module, "demo", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _from(modules, ("rich",)) == []
+    assert "--skip-plain" in proc.stdout
+    assert "<bool>" not in proc.stdout
+
+
 @pytest.mark.parametrize(
     "command",
     [

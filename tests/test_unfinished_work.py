@@ -15,9 +15,11 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any
 
 import pytest
 from langchain.agents import create_agent
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
@@ -53,16 +55,24 @@ def desk(tmp_path: Path) -> TravelDesk:
     return TravelDesk(str(tmp_path / "travel.db"))
 
 
-WINDOW_ENV = "TRAVEL_DEFAULT_WINDOW"  # set in a worker: build with the default memory window
+BUDGET_ENV = "TRAVEL_ONE_TURN_BUDGET"  # set in a worker too: build with ONE_TURN
+
+
+def turns_in_view(messages: Sequence[BaseMessage]) -> int:
+    """A token counter under which only model turns cost: a budget of 1 shows the latest
+    turn whole and every earlier one as a folded line, whatever the prompts' sizes."""
+    return sum(isinstance(m, AIMessage) and bool(m.tool_calls) for m in messages)
+
+
+ONE_TURN = tp.MemoryWindow(max_tokens=1, token_counter=turns_in_view)
 
 
 def build(cp: Any, desk: TravelDesk, model: TravelModel, **kwargs: Any) -> Any:
-    # memory_window=None: the model reads the whole trip (unless the test asks for the
-    # default window, where a model re-planning what left its view meets the repeat guard).
+    # By default the model reads the whole trip; a test may set a context budget instead.
     # A short lease: the killed worker's thread lease lapses quickly, and the next runner
     # waits for it (wait=True) instead of failing with ThreadBusy.
-    if not os.environ.get(WINDOW_ENV):
-        kwargs.setdefault("memory_window", None)
+    if os.environ.get(BUDGET_ENV):
+        kwargs.setdefault("memory_window", ONE_TURN)
     return tp.create_recovery_agent(
         model, travel_tools(desk), checkpointer=cp, lease_ttl=1.0, **kwargs
     )
@@ -143,11 +153,11 @@ def test_the_same_command_after_a_kill_books_each_item_once(
 
 
 @pytest.mark.parametrize("durability", ["async", "exit"])
-def test_the_same_command_after_a_kill_with_the_default_memory_window(
+def test_the_same_command_after_a_kill_under_a_small_context_budget(
     conn_string: str, desk: TravelDesk, durability: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The defaults as a new user has them: older turns leave the model's view."""
-    monkeypatch.setenv(WINDOW_ENV, "1")
+    """A budget so small that only the latest turn stays in view: nothing is booked twice."""
+    monkeypatch.setenv(BUDGET_ENV, "1")
     thread_id = f"trip-window-{durability}"
     crash(conn_string, desk, thread_id, durability, "book_hotel")
     with tp.RecoveryCheckpointer.from_conn_string(conn_string) as cp:
@@ -156,6 +166,12 @@ def test_the_same_command_after_a_kill_with_the_default_memory_window(
         assert desk.counts() == {"book_flight": 1, "book_hotel": 1}
         assert unsettled(cp, thread_id) == []
         assert_all_valid(model)
+        # The budget did fold: some input carried earlier turns as lines, not messages.
+        assert any(
+            isinstance(m, SystemMessage) and "folded out of the conversation" in str(m.content)
+            for shown in model.inputs
+            for m in shown
+        )
 
 
 @pytest.mark.parametrize("service", ["book_flight", "book_hotel"])
@@ -398,6 +414,40 @@ def test_valid_conversation_answers_open_calls_in_place() -> None:
     assert fixed[3].content == NO_ANSWER
     valid = [*fixed[:3], ToolMessage("ok", tool_call_id="c1")]
     assert valid_conversation(valid) == valid
+
+
+def test_the_fast_check_never_skips_a_repair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole conversation goes through ``valid_conversation`` at every model call, so a
+    valid one is recognised in one pass; on random conversations (answers missing, stray,
+    duplicated, out of order, calls sharing an id) the result is the full repair's."""
+    import taskpilots_graph.conversation as conversation
+
+    rng = random.Random(7)
+
+    def message() -> Any:
+        kind = rng.choice(["human", "ai", "calls", "tool", "tool"])
+        if kind == "human":
+            return HumanMessage("hi")
+        if kind == "ai":
+            return AIMessage("ok")
+        if kind == "calls":
+            ids = [rng.choice("abcd") for _ in range(rng.randint(1, 3))]
+            return AIMessage("", tool_calls=[{"name": "t", "args": {}, "id": i} for i in ids])
+        return ToolMessage("r", tool_call_id=rng.choice("abcde"))
+
+    conversations = [[message() for _ in range(rng.randint(0, 8))] for _ in range(3000)]
+    # Growing conversations too (the same objects, one message more at each model call),
+    # which is what the check remembers a valid prefix for.
+    for _ in range(300):
+        grown: list[Any] = []
+        for _ in range(12):
+            grown = [*grown, message()]
+            conversations.append(grown)
+    fast = [valid_conversation(m) for m in conversations]
+    monkeypatch.setattr(conversation, "_answered", lambda messages: False)
+    assert fast == [valid_conversation(m) for m in conversations]
+    monkeypatch.undo()
+    assert any(conversation._answered(m) and len(m) > 3 for m in conversations)
 
 
 # -- nothing hidden -------------------------------------------------------------------------

@@ -67,8 +67,8 @@ def test_a_model_reading_only_its_conversation_performs_each_effect_once(
         with contextlib.suppress(tp.TaskPilotsError, GraphRecursionError):
             run(entry, agent, f"rx-{form}", "fill the prescription of p-7")
     counts = {s: pharmacy.count(s) for s in ("dispense", "charge", "message")}
-    # The default memory window may take earlier turns out of the model's view, so the
-    # model re-plans them; the ledger answers those repeats instead of the pharmacy.
+    # A model that re-plans a step it already took meets the ledger, which answers the
+    # repeat instead of the pharmacy.
     assert counts["dispense"] == 1
     assert max(counts.values()) == 1, counts
     # No entry is left unsettled.

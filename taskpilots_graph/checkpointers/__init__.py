@@ -3,8 +3,10 @@
 ``RecoveryCheckpointer`` (sync, this module) and ``AsyncRecoveryCheckpointer`` (:mod:`.aio`)
 wrap ``InMemorySaver``, ``SqliteSaver`` / ``AsyncSqliteSaver`` or ``PostgresSaver`` /
 ``AsyncPostgresSaver`` by composition. The graph state is stored by the LangGraph saver,
-unchanged; the event log lives in tables of its own in the same database, and so do artifacts
-unless an :class:`ArtifactStore` of their own is passed (``artifacts=FileArtifactStore(path)``).
+except that message lists are stored once per thread and checkpoints refer to them
+(:mod:`.messages`: storage grows with the conversation, not with its square); the event log
+lives in tables of its own in the same database, and so do artifacts unless an
+:class:`ArtifactStore` of their own is passed (``artifacts=FileArtifactStore(path)``).
 """
 
 from __future__ import annotations

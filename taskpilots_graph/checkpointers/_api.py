@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Self, cast
 
+from taskpilots_graph.checkpointers import _optional as optional
 from taskpilots_graph.checkpointers import retention
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
 from taskpilots_graph.checkpointers.artifacts import (
@@ -640,17 +641,19 @@ class RecoveryAPI(DelegatingSaver):
         pruned. A thread with a pending takeover, an uncertain ledger entry or a held lease
         (when ``leases`` is given) is refused, and the report says why.
 
-        Called LangGraph's way, with ``strategy=`` (``"keep_latest"`` or ``"delete"``), it
-        is the wrapped saver's own ``prune``, with LangGraph's semantics and none of the
-        checks above (``UnsupportedOperation`` where that saver has none).
+        Called LangGraph's way, with ``strategy=``, it has LangGraph's semantics on every
+        backend and none of the checks above (unknown threads are skipped): ``"keep_latest"``
+        keeps the latest checkpoint of each namespace with its pending writes, and every
+        event, ledger entry, decision and artifact; ``"delete"`` deletes the threads whole,
+        as :meth:`delete_thread` does. See :func:`~.retention.prune_strategy`.
 
         Raises:
             ThreadNotFound: For an unknown thread id (nothing is pruned then).
-            ConfigurationError: For an unknown ``keep``.
+            ConfigurationError: For an unknown ``keep`` or ``strategy``, or
+                ``strategy="keep_latest"`` on a thread that uses a ``DeltaChannel``.
         """
         if strategy is not None:
-            super().prune(thread_ids, strategy=strategy)
-            return PruneReport(pruned=tuple(thread_ids))
+            return retention.prune_strategy(self, thread_ids, strategy)
         return retention.prune(self, thread_ids, keep=keep, leases=leases)
 
     async def aprune(  # type: ignore[override]
@@ -663,9 +666,46 @@ class RecoveryAPI(DelegatingSaver):
     ) -> PruneReport:
         """Async form of :meth:`prune`."""
         if strategy is not None:
-            await super().aprune(thread_ids, strategy=strategy)
-            return PruneReport(pruned=tuple(thread_ids))
+            return await retention.aprune_strategy(self, thread_ids, strategy)
         return await retention.aprune(self, thread_ids, keep=keep, leases=leases)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy a thread (every checkpoint, pending write and namespace) to a new thread id,
+        with its events, model decisions, artifacts and ledger.
+
+        The copy never performs again an effect the source committed: the source's ledger
+        entries come along under the keys the copy asks for, committed ones as committed,
+        and those whose outcome only the service knows as ``uncertain`` (a person decides).
+        Entries under a business key are shared already and stay the source's. See
+        :mod:`taskpilots_graph.checkpointers._optional` for the whole rule.
+
+        Raises:
+            ThreadNotFound: The source has no checkpoint.
+            ConfigurationError: The target already has checkpoints or recovery records, or
+                is the source, or a thread id no backend stores.
+        """
+        optional.copy_thread(self, source_thread_id, target_thread_id)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Async form of :meth:`copy_thread`."""
+        await optional.acopy_thread(self, source_thread_id, target_thread_id)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their pending writes) the given runs wrote, in every
+        thread, in one transaction.
+
+        What the runs did stays on record (events, ledger entries, decisions, artifacts):
+        a later run of the thread finds their committed effects instead of performing them
+        again. Unknown run ids are ignored.
+
+        Raises:
+            ConfigurationError: ``run_ids`` is a single string.
+        """
+        optional.delete_for_runs(self, run_ids)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Async form of :meth:`delete_for_runs`."""
+        await optional.adelete_for_runs(self, run_ids)
 
     def sweep(
         self, *, older_than: float | timedelta, leases: LeaseBackend | None = None
@@ -689,7 +729,8 @@ class RecoveryAPI(DelegatingSaver):
         # Checkpoints go first: a crash in between leaves an orphan log, never a thread that
         # could resume without the record of what it already did.
         self.inner.delete_thread(thread_id)
-        self._call("delete_thread", thread_id)
+        self._call("delete_thread", thread_id)  # its stored messages too
+        self.message_log.forget(thread_id)  # a new run of the id starts new sequences
         if self.artifact_store is not None:
             self.artifact_store.delete_artifacts(thread_id)
 
@@ -697,6 +738,7 @@ class RecoveryAPI(DelegatingSaver):
         """Async form of :meth:`delete_thread`."""
         await self.inner.adelete_thread(thread_id)
         await self._acall("delete_thread", thread_id)
+        self.message_log.forget(thread_id)
         if self.artifact_store is not None:
             await asyncio.to_thread(self.artifact_store.delete_artifacts, thread_id)
 

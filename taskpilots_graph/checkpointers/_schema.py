@@ -18,6 +18,7 @@ __all__ = [
     "INSERT_VERSION",
     "LEDGER",
     "LEDGER_FIELDS",
+    "MESSAGES",
     "MIGRATIONS",
     "MIGRATIONS_TABLE",
     "PRUNE_CHECKPOINTS",
@@ -116,6 +117,35 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
             ON taskpilots_ledger (thread_id, tool, args_digest);
         DROP INDEX IF EXISTS taskpilots_ledger_thread;
         """,
+        # 6: messages stored once per thread, checkpoints refer to them
+        # (checkpointers/messages.py). Messages in a rowid table (payloads are large);
+        # sequences and their positions WITHOUT ROWID (small rows, read by key range).
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_messages (
+            thread_id TEXT NOT NULL,
+            key BLOB NOT NULL,
+            message_id TEXT NOT NULL,
+            type TEXT NOT NULL,
+            payload BLOB NOT NULL,
+            PRIMARY KEY (thread_id, key)
+        );
+        CREATE TABLE IF NOT EXISTS taskpilots_message_seqs (
+            thread_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            checkpoint_ns TEXT NOT NULL,
+            channel TEXT NOT NULL,
+            parent_seq INTEGER,
+            parent_len INTEGER NOT NULL,
+            PRIMARY KEY (thread_id, seq)
+        ) WITHOUT ROWID;
+        CREATE TABLE IF NOT EXISTS taskpilots_message_refs (
+            thread_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            position INTEGER NOT NULL,
+            key BLOB NOT NULL,
+            PRIMARY KEY (thread_id, seq, position)
+        ) WITHOUT ROWID;
+        """,
     ),
     "postgres": (
         """
@@ -194,6 +224,33 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
         CREATE INDEX IF NOT EXISTS taskpilots_ledger_thread_effect
             ON taskpilots_ledger (thread_id, tool, args_digest);
         DROP INDEX IF EXISTS taskpilots_ledger_thread;
+        """,
+        # 6: messages stored once per thread (see the SQLite twin).
+        """
+        CREATE TABLE IF NOT EXISTS taskpilots_messages (
+            thread_id TEXT NOT NULL,
+            key BYTEA NOT NULL,
+            message_id TEXT NOT NULL,
+            type TEXT NOT NULL,
+            payload BYTEA NOT NULL,
+            PRIMARY KEY (thread_id, key)
+        );
+        CREATE TABLE IF NOT EXISTS taskpilots_message_seqs (
+            thread_id TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            checkpoint_ns TEXT NOT NULL,
+            channel TEXT NOT NULL,
+            parent_seq BIGINT,
+            parent_len INTEGER NOT NULL,
+            PRIMARY KEY (thread_id, seq)
+        );
+        CREATE TABLE IF NOT EXISTS taskpilots_message_refs (
+            thread_id TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            position INTEGER NOT NULL,
+            key BYTEA NOT NULL,
+            PRIMARY KEY (thread_id, seq, position)
+        );
         """,
     ),
 }
@@ -356,6 +413,9 @@ DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
         "DELETE FROM taskpilots_ledger WHERE thread_id = ?",
         "DELETE FROM taskpilots_decisions WHERE thread_id = ?",
         "DELETE FROM taskpilots_artifacts WHERE thread_id = ?",
+        "DELETE FROM taskpilots_message_refs WHERE thread_id = ?",
+        "DELETE FROM taskpilots_message_seqs WHERE thread_id = ?",
+        "DELETE FROM taskpilots_messages WHERE thread_id = ?",
     ),
     "postgres": (
         "DELETE FROM taskpilots_events WHERE thread_id = %s",
@@ -363,6 +423,9 @@ DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
         "DELETE FROM taskpilots_ledger WHERE thread_id = %s",
         "DELETE FROM taskpilots_decisions WHERE thread_id = %s",
         "DELETE FROM taskpilots_artifacts WHERE thread_id = %s",
+        "DELETE FROM taskpilots_message_refs WHERE thread_id = %s",
+        "DELETE FROM taskpilots_message_seqs WHERE thread_id = %s",
+        "DELETE FROM taskpilots_messages WHERE thread_id = %s",
     ),
 }
 
@@ -452,4 +515,71 @@ PRUNE_CHECKPOINTS: Final[dict[Dialect, tuple[str, ...]]] = {
               AND c.checkpoint -> 'channel_versions' ->> b.channel = b.version)
         """,
     ),
+}
+
+
+# Messages stored once per thread (checkpointers/messages.py). A reference (seq, n) is read
+# by walking the sequence's ancestors: each takes the positions below the limit its child
+# leaves it (its parent_len), so every position comes from exactly one sequence.
+_READ_MESSAGES = """
+    WITH RECURSIVE chain(seq, upto) AS (
+        SELECT {p_seq}, {p_len}
+        UNION ALL
+        SELECT s.parent_seq, {least}(c.upto, s.parent_len)
+        FROM chain c JOIN taskpilots_message_seqs s
+            ON s.thread_id = {p_thread} AND s.seq = c.seq
+        WHERE s.parent_seq IS NOT NULL AND s.parent_len > 0
+    )
+    SELECT r.position, r.key, m.type, m.payload
+    FROM chain c
+    JOIN taskpilots_message_refs r
+        ON r.thread_id = {p_thread} AND r.seq = c.seq AND r.position < c.upto
+    JOIN taskpilots_messages m ON m.thread_id = {p_thread} AND m.key = r.key
+    ORDER BY r.position
+"""
+
+MESSAGES: Final[dict[Dialect, dict[str, str]]] = {
+    "sqlite": {
+        "message": "INSERT INTO taskpilots_messages (thread_id, key, message_id, type, payload) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (thread_id, key) DO NOTHING",
+        "sequence": "INSERT INTO taskpilots_message_seqs "
+        "(thread_id, seq, checkpoint_ns, channel, parent_seq, parent_len) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        "ref": "INSERT INTO taskpilots_message_refs (thread_id, seq, position, key) "
+        "VALUES (?, ?, ?, ?)",
+        "read": _READ_MESSAGES.format(
+            p_seq=":seq", p_len=":len", p_thread=":thread_id", least="MIN"
+        ),
+    },
+    # One statement per checkpoint: no BEGIN/COMMIT round trips, atomic as every statement.
+    # Arrays are sent in binary (%b): bytea in text format would travel as hex.
+    "postgres": {
+        "write": """
+            WITH s AS (
+                INSERT INTO taskpilots_message_seqs
+                    (thread_id, seq, checkpoint_ns, channel, parent_seq, parent_len)
+                SELECT %(thread_id)s, x.seq, x.ns, x.channel, x.parent, x.parent_len
+                FROM unnest(%(s_seq)b::bigint[], %(s_ns)b::text[], %(s_channel)b::text[],
+                            %(s_parent)b::bigint[], %(s_parent_len)b::int[])
+                    AS x(seq, ns, channel, parent, parent_len)
+            ),
+            m AS (
+                INSERT INTO taskpilots_messages (thread_id, key, message_id, type, payload)
+                SELECT %(thread_id)s, x.key, x.message_id, x.type, x.payload
+                FROM unnest(%(m_key)b::bytea[], %(m_id)b::text[], %(m_type)b::text[],
+                            %(m_payload)b::bytea[]) AS x(key, message_id, type, payload)
+                ON CONFLICT (thread_id, key) DO NOTHING
+            )
+            INSERT INTO taskpilots_message_refs (thread_id, seq, position, key)
+            SELECT %(thread_id)s, x.seq, x.position, x.key
+            FROM unnest(%(r_seq)b::bigint[], %(r_position)b::int[], %(r_key)b::bytea[])
+                AS x(seq, position, key)
+        """,
+        "read": _READ_MESSAGES.format(
+            p_seq="%(seq)s::bigint",
+            p_len="%(len)s::int",
+            p_thread="%(thread_id)s",
+            least="LEAST",
+        ),
+    },
 }

@@ -3,6 +3,12 @@
 Both recovery checkpointers inherit from this class, so the sync and async faces forward the
 saver protocol through one piece of code. Anything that touches the recovery store (setup,
 ``delete_thread``, events) is defined by the two subclasses.
+
+One thing changes on the way: message lists are stored once per thread in the recovery
+store (:mod:`.messages`) and the checkpoint handed to the saver refers to them. ``put``
+writes the message rows first, then the checkpoint; every read (``get_tuple``, ``list``,
+``get``, their async forms, the seeds of ``get_delta_channel_history``) rebuilds the exact
+lists, so callers see what the bare saver would have returned.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import copy
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     BaseCheckpointSaver,
@@ -22,9 +29,21 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from taskpilots_graph.checkpointers.base import check_thread_id, require_override
+from taskpilots_graph.checkpointers.base import check_thread_id
 from taskpilots_graph.checkpointers.density import HeldCheckpoints, run_async, run_sync
+from taskpilots_graph.checkpointers.messages import (
+    LoadedRow,
+    MessageLog,
+    MessageRef,
+    MessageRows,
+    as_value,
+    message_refs,
+    read_marker,
+    rebuild,
+    with_values,
+)
 from taskpilots_graph.checkpointers.sqlite import mapped_errors
+from taskpilots_graph.errors import CorruptRecordError
 
 __all__ = ["DelegatingSaver"]
 
@@ -37,22 +56,242 @@ def _checked(config: RunnableConfig | None) -> None:
         check_thread_id(value if isinstance(value, str) else str(value))
 
 
+def _where(config: RunnableConfig) -> tuple[str, str]:
+    conf = config.get("configurable") or {}
+    return str(conf.get("thread_id", "")), str(conf.get("checkpoint_ns", ""))
+
+
+class _Listing:
+    """What one listing has read: rows by sequence (longest read) and messages by key.
+
+    Checkpoints of one history mostly refer to prefixes of one sequence: the longest is
+    read once (a listing goes newest first) and each stored message is decoded once.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[LoadedRow]] = {}
+        self.messages: dict[bytes, BaseMessage] = {}
+
+    def known(self, ref: MessageRef) -> list[LoadedRow] | None:
+        rows = self.rows.get(ref.seq)
+        return None if rows is None or len(rows) < ref.length else rows[: ref.length]
+
+    def add(self, ref: MessageRef, rows: list[LoadedRow]) -> None:
+        if len(rows) > len(self.rows.get(ref.seq, ())):
+            self.rows[ref.seq] = rows
+
+
 class DelegatingSaver(BaseCheckpointSaver[Any]):
     """A ``BaseCheckpointSaver`` that forwards every call to ``self.inner``.
 
-    Optional operations the inner saver does not implement (``copy_thread``,
-    ``delete_for_runs``, ``prune`` on most LangGraph savers) raise
-    :class:`~taskpilots_graph.errors.UnsupportedOperation` naming the backend.
+    LangGraph's optional operations (``copy_thread``, ``delete_for_runs``, ``prune`` and
+    their async forms) are not forwarded here: most LangGraph savers lack them, and LangGraph
+    finds them by override, so a forwarding override would claim what the saver cannot do.
+    :class:`~taskpilots_graph.checkpointers._api.RecoveryAPI` implements them on every
+    backend, recovery records included (:mod:`._optional`, :mod:`.retention`).
     """
 
     inner: BaseCheckpointSaver[Any]
     held: HeldCheckpoints | None = None
     """Checkpoints not stored under the graph's density (``None``: every one is stored)."""
 
+    store_messages: bool = True
+    """Store message lists once per thread and refer to them from checkpoints (see
+    :mod:`.messages`); ``False`` leaves them inside the checkpoints, as LangGraph does.
+    Checkpoints referring to stored messages are read either way."""
+
+    message_log: MessageLog
+
     def __init__(self, inner: BaseCheckpointSaver[Any]) -> None:
         # BaseCheckpointSaver.__init__ is deliberately not called: it would set a serde of
         # our own, while the graph must encode exactly as the inner saver does.
         self.inner = inner
+        # Shared (not copied) by the views made with copy.copy (density, allowlist).
+        self.message_log = MessageLog()
+
+    # -- messages stored once ----------------------------------------------------------------
+    # The two primitives reaching the recovery store (defined by the checkpointers).
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _message_store(self) -> bool:
+        store = getattr(self, "store", None)
+        return callable(getattr(store, "messages_write", None))
+
+    def _encoded(
+        self, config: RunnableConfig, checkpoint: Checkpoint
+    ) -> tuple[Checkpoint, MessageRows | None]:
+        if not (self.store_messages and self._message_store()):
+            return checkpoint, None
+        return self.message_log.encode(config, checkpoint, self.serde)
+
+    def _failed_write(self, rows: MessageRows) -> None:
+        # The log already counts the rows as written; forgetting the thread makes the next
+        # write start a new sequence instead of appending after rows that may be missing.
+        self.message_log.forget(rows.thread_id)
+
+    def _put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """The saver's ``put``, after the messages the checkpoint refers to are stored."""
+        encoded, rows = self._encoded(config, checkpoint)
+        if rows is not None:
+            try:
+                self._call("messages_write", rows)
+            except BaseException:
+                self._failed_write(rows)
+                raise
+        return self.inner.put(config, encoded, metadata, new_versions)
+
+    async def _aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Async twin of :meth:`_put`."""
+        encoded, rows = self._encoded(config, checkpoint)
+        if rows is not None:
+            try:
+                await self._acall("messages_write", rows)
+            except BaseException:
+                self._failed_write(rows)
+                raise
+        return await self.inner.aput(config, encoded, metadata, new_versions)
+
+    def _check_readable(self, thread_id: str, refs: Mapping[str, MessageRef]) -> None:
+        if refs and not self._message_store():
+            raise CorruptRecordError(
+                "the checkpoint refers to stored messages, but this checkpointer's recovery "
+                "store keeps none; open it with the store that wrote it",
+                table="checkpoints",
+                key=thread_id,
+            )
+
+    def _rebuilt(
+        self,
+        tup: CheckpointTuple,
+        loaded: Mapping[str, list[LoadedRow]],
+        refs: Mapping[str, MessageRef],
+        *,
+        remember: bool,
+        listing: _Listing | None,
+    ) -> CheckpointTuple:
+        thread_id, ns = _where(tup.config)
+        values: dict[str, Any] = {}
+        for channel, ref in refs.items():
+            memo = None if listing is None else listing.messages
+            decoded, keys = rebuild(thread_id, ref, loaded[channel], self.serde, memo)
+            value, elements, names = as_value(thread_id, ref, decoded)
+            if remember:  # the graph continues from this list: its next put extends it
+                self.message_log.remember(thread_id, ns, channel, ref, elements, keys, names)
+            values[channel] = value
+        return tup._replace(checkpoint=with_values(tup.checkpoint, values))
+
+    def _decoded(
+        self, tup: CheckpointTuple | None, *, remember: bool, listing: _Listing | None = None
+    ) -> CheckpointTuple | None:
+        """``tup`` with its message references replaced by the lists they stand for."""
+        if tup is None or not (refs := message_refs(tup.checkpoint)):
+            return tup
+        thread_id, _ = _where(tup.config)
+        self._check_readable(thread_id, refs)
+        loaded: dict[str, list[LoadedRow]] = {}
+        for channel, ref in refs.items():
+            rows = None if listing is None else listing.known(ref)
+            if rows is None:
+                rows = self._call("messages_read", thread_id, ref.seq, ref.length)
+                if listing is not None:
+                    listing.add(ref, rows)
+            loaded[channel] = rows
+        return self._rebuilt(tup, loaded, refs, remember=remember, listing=listing)
+
+    async def _adecoded(
+        self, tup: CheckpointTuple | None, *, remember: bool, listing: _Listing | None = None
+    ) -> CheckpointTuple | None:
+        """Async twin of :meth:`_decoded`."""
+        if tup is None or not (refs := message_refs(tup.checkpoint)):
+            return tup
+        thread_id, _ = _where(tup.config)
+        self._check_readable(thread_id, refs)
+        loaded: dict[str, list[LoadedRow]] = {}
+        for channel, ref in refs.items():
+            rows = None if listing is None else listing.known(ref)
+            if rows is None:
+                rows = await self._acall("messages_read", thread_id, ref.seq, ref.length)
+                if listing is not None:
+                    listing.add(ref, rows)
+            loaded[channel] = rows
+        return self._rebuilt(tup, loaded, refs, remember=remember, listing=listing)
+
+    # LangGraph's SQLite savers hold their lock (shared with the store) while a listing is
+    # open, so the store cannot be read in the middle of one. Checkpoints without references
+    # pass through as they come; at the first one with references the rest of the listing
+    # is read to its end (small: it holds references, not lists) and the lock released.
+
+    def _decoding(self, tuples: Iterator[CheckpointTuple]) -> Iterator[CheckpointTuple]:
+        listing = _Listing()
+        for tup in tuples:
+            if message_refs(tup.checkpoint):
+                rest = [tup, *tuples]
+                for item in rest:
+                    decoded = self._decoded(item, remember=False, listing=listing)
+                    assert decoded is not None
+                    yield decoded
+                return
+            yield tup
+
+    async def _adecoding(
+        self, tuples: AsyncIterator[CheckpointTuple]
+    ) -> AsyncIterator[CheckpointTuple]:
+        listing = _Listing()
+        async for tup in tuples:
+            if message_refs(tup.checkpoint):
+                rest = [tup, *[item async for item in tuples]]
+                for item in rest:
+                    decoded = await self._adecoded(item, remember=False, listing=listing)
+                    assert decoded is not None
+                    yield decoded
+                return
+            yield tup
+
+    def _seed_refs(
+        self, config: RunnableConfig, history: Mapping[str, DeltaChannelHistory]
+    ) -> dict[str, MessageRef]:
+        # A channel turned into a DeltaChannel after it was stored here seeds from a marker.
+        refs = {
+            channel: ref
+            for channel, entry in history.items()
+            if (ref := read_marker(entry.get("seed"))) is not None
+        }
+        self._check_readable(_where(config)[0], refs)
+        return refs
+
+    def _seeded(
+        self,
+        config: RunnableConfig,
+        history: Mapping[str, DeltaChannelHistory],
+        loaded: Mapping[str, list[LoadedRow]],
+    ) -> dict[str, DeltaChannelHistory]:
+        thread_id, _ = _where(config)
+        result = dict(history)
+        for channel, rows in loaded.items():
+            ref = read_marker(history[channel].get("seed"))
+            assert ref is not None
+            entry = DeltaChannelHistory(writes=history[channel]["writes"])
+            decoded = rebuild(thread_id, ref, rows, self.serde)[0]
+            entry["seed"] = as_value(thread_id, ref, decoded)[0]
+            result[channel] = entry
+        return result
 
     # -- attributes LangGraph reads -------------------------------------------------------
 
@@ -83,14 +322,15 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
     # -- sync protocol ---------------------------------------------------------------------
 
     def get(self, config: RunnableConfig) -> Checkpoint | None:
-        return self.inner.get(config)
+        tup = self.get_tuple(config)  # not the inner get: its lists must be rebuilt
+        return None if tup is None else tup.checkpoint
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         _checked(config)
         with mapped_errors("get_tuple"):
             if self.held is not None:
-                run_sync(self.inner, self.held.release(config))
-            return self.inner.get_tuple(config)
+                run_sync(self._put, self.inner.put_writes, self.held.release(config))
+            return self._decoded(self.inner.get_tuple(config), remember=True)
 
     def list(
         self,
@@ -101,8 +341,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
         if self.held is not None:
-            run_sync(self.inner, self.held.release(config))
-        return self.inner.list(config, filter=filter, before=before, limit=limit)
+            run_sync(self._put, self.inner.put_writes, self.held.release(config))
+        return self._decoding(self.inner.list(config, filter=filter, before=before, limit=limit))
 
     def put(
         self,
@@ -114,9 +354,9 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         _checked(config)
         with mapped_errors("put"):
             if self.held is None:
-                return self.inner.put(config, checkpoint, metadata, new_versions)
+                return self._put(config, checkpoint, metadata, new_versions)
             args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-            return next_config if args is None else self.inner.put(*args)
+            return next_config if args is None else self._put(*args)
 
     def put_writes(
         self,
@@ -130,36 +370,34 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             if self.held is None:
                 self.inner.put_writes(config, writes, task_id, task_path)
             else:
-                run_sync(self.inner, self.held.put_writes(config, writes, task_id, task_path))
-
-    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        require_override(self.inner, "delete_for_runs")
-        self.inner.delete_for_runs(run_ids)
-
-    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        require_override(self.inner, "copy_thread")
-        self.inner.copy_thread(source_thread_id, target_thread_id)
-
-    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        require_override(self.inner, "prune")
-        self.inner.prune(thread_ids, strategy=strategy)
+                held = self.held.put_writes(config, writes, task_id, task_path)
+                run_sync(self._put, self.inner.put_writes, held)
 
     def get_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
     ) -> Mapping[str, DeltaChannelHistory]:
-        return self.inner.get_delta_channel_history(config=config, channels=channels)
+        history = self.inner.get_delta_channel_history(config=config, channels=channels)
+        if not (refs := self._seed_refs(config, history)):
+            return history
+        thread_id, _ = _where(config)
+        loaded = {
+            channel: self._call("messages_read", thread_id, ref.seq, ref.length)
+            for channel, ref in refs.items()
+        }
+        return self._seeded(config, history, loaded)
 
     # -- async protocol --------------------------------------------------------------------
 
     async def aget(self, config: RunnableConfig) -> Checkpoint | None:
-        return await self.inner.aget(config)
+        tup = await self.aget_tuple(config)
+        return None if tup is None else tup.checkpoint
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         _checked(config)
         with mapped_errors("get_tuple"):
             if self.held is not None:
-                await run_async(self.inner, self.held.release(config))
-            return await self.inner.aget_tuple(config)
+                await run_async(self._aput, self.inner.aput_writes, self.held.release(config))
+            return await self._adecoded(await self.inner.aget_tuple(config), remember=True)
 
     async def alist(
         self,
@@ -170,8 +408,9 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         if self.held is not None:
-            await run_async(self.inner, self.held.release(config))
-        async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
+            await run_async(self._aput, self.inner.aput_writes, self.held.release(config))
+        tuples = self.inner.alist(config, filter=filter, before=before, limit=limit)
+        async for item in self._adecoding(tuples):
             yield item
 
     async def aput(
@@ -184,9 +423,9 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         _checked(config)
         with mapped_errors("put"):
             if self.held is None:
-                return await self.inner.aput(config, checkpoint, metadata, new_versions)
+                return await self._aput(config, checkpoint, metadata, new_versions)
             args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-            return next_config if args is None else await self.inner.aput(*args)
+            return next_config if args is None else await self._aput(*args)
 
     async def aput_writes(
         self,
@@ -201,21 +440,17 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
                 await self.inner.aput_writes(config, writes, task_id, task_path)
             else:
                 held = self.held.put_writes(config, writes, task_id, task_path)
-                await run_async(self.inner, held)
-
-    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        require_override(self.inner, "adelete_for_runs")
-        await self.inner.adelete_for_runs(run_ids)
-
-    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        require_override(self.inner, "acopy_thread")
-        await self.inner.acopy_thread(source_thread_id, target_thread_id)
-
-    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        require_override(self.inner, "aprune")
-        await self.inner.aprune(thread_ids, strategy=strategy)
+                await run_async(self._aput, self.inner.aput_writes, held)
 
     async def aget_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
     ) -> Mapping[str, DeltaChannelHistory]:
-        return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+        history = await self.inner.aget_delta_channel_history(config=config, channels=channels)
+        if not (refs := self._seed_refs(config, history)):
+            return history
+        thread_id, _ = _where(config)
+        loaded = {
+            channel: await self._acall("messages_read", thread_id, ref.seq, ref.length)
+            for channel, ref in refs.items()
+        }
+        return self._seeded(config, history, loaded)

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -41,10 +42,12 @@ __all__ = [
     "DEFAULT_POOL_SIZE",
     "MAX_THREAD_ID_BYTES",
     "SQLITE_BUSY_TIMEOUT_S",
+    "AsyncMessageStore",
     "AsyncRecoveryStore",
     "ConnTarget",
     "DecisionRecord",
     "EventRecord",
+    "MessageStore",
     "PendingRecord",
     "RecoveryStore",
     "check_thread_id",
@@ -526,6 +529,32 @@ class AsyncRecoveryStore(Protocol):
 
     async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         """Async twin of :meth:`RecoveryStore.compact_events`."""
+
+
+class MessageStore(Protocol):
+    """A recovery store that also keeps a thread's messages once (:mod:`.messages`).
+
+    Every built-in store is one. A store without these methods still works: the
+    checkpointer then leaves message lists inside the checkpoints, as LangGraph does.
+    """
+
+    def messages_write(self, rows: MessageRows) -> None:
+        """Insert new sequences, references and (if the thread lacks their key) messages,
+        atomically; durable on return."""
+
+    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """The rows of positions ``0..length-1`` of sequence ``seq`` (following its
+        parents), ordered by position; missing rows are left out, not invented."""
+
+
+class AsyncMessageStore(Protocol):
+    """Async twin of :class:`MessageStore`."""
+
+    async def messages_write(self, rows: MessageRows) -> None:
+        """Async twin of :meth:`MessageStore.messages_write`."""
+
+    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """Async twin of :meth:`MessageStore.messages_read`."""
 
 
 def require_override(saver: BaseCheckpointSaver[Any], method: str) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compression import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
@@ -32,6 +33,7 @@ class MemoryStore:
         self._decided_at: dict[tuple[str, str, str], float] = {}
         # artifact id -> thread id -> payload: one copy per thread, as in the SQL stores.
         self._artifacts: dict[str, dict[str, bytes]] = {}
+        self._messages: dict[str, _ThreadMessages] = {}
 
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
         """Nothing to create in memory; runs ``inner_setup`` if given."""
@@ -65,6 +67,35 @@ class MemoryStore:
             for dkey in [d for d in self._decisions if d[0] == thread_id]:
                 del self._decisions[dkey]
             self._drop_artifacts(thread_id)
+            self._messages.pop(thread_id, None)
+
+    def messages_write(self, rows: MessageRows) -> None:
+        """Store a checkpoint's new sequences, references and messages (see :mod:`.messages`)."""
+        with self._lock:
+            stored = self._messages.setdefault(rows.thread_id, _ThreadMessages())
+            for message in rows.messages:
+                stored.messages.setdefault(message.key, (message.type, message.payload))
+            for sequence in rows.sequences:
+                stored.parents[sequence.seq] = (sequence.parent_seq, sequence.parent_len)
+            for seq, position, key in rows.refs:
+                stored.refs.setdefault(seq, {})[position] = key
+
+    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """The rows of positions ``0..length-1`` of a sequence, as the SQL stores read them."""
+        with self._lock:
+            stored = self._messages.get(thread_id, _ThreadMessages())
+            rows: list[LoadedRow] = []
+            upto: int = length
+            current: int | None = seq
+            # Walk to the root: each sequence gives the positions from its parent_len up to
+            # the limit its child left it; missing rows are simply not returned.
+            while current is not None and upto > 0:
+                parent, parent_len = stored.parents.get(current, (None, 0))
+                for position, key in stored.refs.get(current, {}).items():
+                    if position < upto and key in stored.messages:
+                        rows.append((position, key, *stored.messages[key]))
+                current, upto = parent, min(upto, parent_len)
+        return sorted(rows)
 
     def ledger_get(self, key: str) -> LedgerEntry | None:
         with self._lock:
@@ -164,6 +195,17 @@ class MemoryStore:
         return len(plan)
 
 
+class _ThreadMessages:
+    """One thread's stored messages: payloads by key, sequences' parents, references."""
+
+    __slots__ = ("messages", "parents", "refs")
+
+    def __init__(self) -> None:
+        self.messages: dict[bytes, tuple[str, bytes]] = {}
+        self.parents: dict[int, tuple[int | None, int]] = {}
+        self.refs: dict[int, dict[int, bytes]] = {}
+
+
 class AsyncMemoryStore:
     """Async face of :class:`MemoryStore`; operations never block, so they run inline."""
 
@@ -183,6 +225,12 @@ class AsyncMemoryStore:
 
     async def delete_thread(self, thread_id: str) -> None:
         self.sync.delete_thread(thread_id)
+
+    async def messages_write(self, rows: MessageRows) -> None:
+        self.sync.messages_write(rows)
+
+    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        return self.sync.messages_read(thread_id, seq, length)
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
         return self.sync.ledger_get(key)

@@ -53,6 +53,7 @@ from taskpilots_graph.checkpointers.base import (
     PendingRecord,
     rows_to_events,
 )
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -68,6 +69,7 @@ __all__ = ["AsyncPostgresStore", "PostgresStore"]
 _D: Final = "postgres"
 _LEDGER = sql.LEDGER[_D]
 _ARTIFACTS = sql.ARTIFACTS[_D]
+_MESSAGES = sql.MESSAGES[_D]
 _SETUP_TIMEOUT_S = 60.0
 _DURABLE = "SET synchronous_commit = on"
 
@@ -267,6 +269,29 @@ def _one_statement(
     return _write(statement, params, thread_id, group)
 
 
+def _message_params(rows: MessageRows) -> dict[str, Any]:
+    """Parameters of ``MESSAGES["write"]``: one array per column (unnest-ed server side)."""
+    return {
+        "thread_id": rows.thread_id,
+        "s_seq": [s.seq for s in rows.sequences],
+        "s_ns": [s.checkpoint_ns for s in rows.sequences],
+        "s_channel": [s.channel for s in rows.sequences],
+        "s_parent": [s.parent_seq for s in rows.sequences],
+        "s_parent_len": [s.parent_len for s in rows.sequences],
+        "m_key": [m.key for m in rows.messages],
+        "m_id": [m.message_id for m in rows.messages],
+        "m_type": [m.type for m in rows.messages],
+        "m_payload": [m.payload for m in rows.messages],
+        "r_seq": [seq for seq, _, _ in rows.refs],
+        "r_position": [position for _, position, _ in rows.refs],
+        "r_key": [key for _, _, key in rows.refs],
+    }
+
+
+def _loaded(rows: Any) -> list[LoadedRow]:
+    return [(int(p), bytes(k), str(t), bytes(b)) for p, k, t, b in rows]
+
+
 def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
     return [(change.encoded, change.thread_id, change.seq) for change in plan]
 
@@ -391,6 +416,20 @@ class PostgresStore:
         with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
+
+    @_guarded
+    def messages_write(self, rows: MessageRows) -> None:
+        """Insert a checkpoint's new messages, sequences and references: one statement,
+        committed before the saver writes the checkpoint that refers to them."""
+        with self._transaction(begin=False) as cur:
+            cur.execute(_MESSAGES["write"], _message_params(rows))
+
+    @_guarded
+    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """The rows of positions ``0..length-1`` of sequence ``seq``, by position."""
+        params = {"thread_id": thread_id, "seq": seq, "len": length}
+        with self._transaction(write=False) as cur:
+            return _loaded(cur.execute(_MESSAGES["read"], params, binary=True).fetchall())
 
     @_guarded
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
@@ -598,6 +637,20 @@ class AsyncPostgresStore:
         async with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 await cur.execute(statement, (thread_id,))
+
+    @_aguarded
+    async def messages_write(self, rows: MessageRows) -> None:
+        """Async twin of :meth:`PostgresStore.messages_write`."""
+        async with self._transaction(begin=False) as cur:
+            await cur.execute(_MESSAGES["write"], _message_params(rows))
+
+    @_aguarded
+    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """Async twin of :meth:`PostgresStore.messages_read`."""
+        params = {"thread_id": thread_id, "seq": seq, "len": length}
+        async with self._transaction(write=False) as cur:
+            await cur.execute(_MESSAGES["read"], params, binary=True)
+            return _loaded(await cur.fetchall())
 
     @_aguarded
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:

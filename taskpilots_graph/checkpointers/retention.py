@@ -13,6 +13,11 @@ ledger entry (an intent without a known outcome, or one marked uncertain), or a 
 given to ``prune`` raises :class:`~taskpilots_graph.errors.ThreadNotFound` before anything
 is deleted.
 
+LangGraph's own form, ``cp.prune(thread_ids, strategy="keep_latest" | "delete")``
+(:func:`prune_strategy`), works on every backend with LangGraph's semantics and without the
+refusals above, as LangGraph tooling expects: ``"keep_latest"`` keeps every recovery record,
+``"delete"`` deletes the threads whole.
+
 Pruning runs while no run writes to the thread: the latest checkpoint is chosen inside the
 deleting statement, so a checkpoint written meanwhile survives, but LangGraph's PostgreSQL
 saver writes a checkpoint's blobs before its row, and a prune in between could drop them.
@@ -21,9 +26,11 @@ Runs that hold thread leases are protected by the lease check.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from langgraph.checkpoint.base import CheckpointTuple
 from langgraph.checkpoint.memory import InMemorySaver
 
-from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
+from taskpilots_graph.checkpointers._optional import drop_memory_checkpoints, rows_for
+from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
@@ -39,9 +47,23 @@ from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 if TYPE_CHECKING:
     from taskpilots_graph.checkpointers._api import RecoveryAPI
 
-__all__ = ["Keep", "PruneReport", "aprune", "asweep", "prune", "refusal", "sweep"]
+__all__ = [
+    "PRUNE_STRATEGIES",
+    "Keep",
+    "PruneReport",
+    "aprune",
+    "aprune_strategy",
+    "asweep",
+    "prune",
+    "prune_strategy",
+    "refusal",
+    "sweep",
+]
 
 Keep = Literal["latest", "milestones"]
+
+PRUNE_STRATEGIES = ("keep_latest", "delete")
+"""The ``strategy=`` values of LangGraph's ``prune``."""
 
 _OPEN = (LedgerStatus.INTENDED, LedgerStatus.UNCERTAIN)
 
@@ -118,12 +140,11 @@ def _checkpoint_time(latest: CheckpointTuple) -> float:
 
 def _prune_memory(saver: InMemorySaver, thread_id: str, keep: Sequence[str]) -> int:
     removed = 0
-    for ns, checkpoints in saver.storage.get(thread_id, {}).items():
+    for ns, checkpoints in list(saver.storage.get(thread_id, {}).items()):
         latest = max(checkpoints, default=None)
-        for checkpoint_id in [c for c in checkpoints if c != latest and c not in keep]:
-            del checkpoints[checkpoint_id]
-            saver.writes.pop((thread_id, ns, checkpoint_id), None)
-            removed += 1
+        gone = [c for c in list(checkpoints) if c != latest and c not in keep]
+        # With their writes and the channel values only they referred to.
+        removed += drop_memory_checkpoints(saver, thread_id, ns, gone)
     return removed
 
 
@@ -200,6 +221,103 @@ async def aprune(
             removed += int(await cp._acall("prune_checkpoints", thread_id, kept))
         pruned.append(thread_id)
     return PruneReport(pruned=tuple(pruned), refused=refused, checkpoints_removed=removed)
+
+
+def _strategy_ids(thread_ids: Sequence[str], strategy: str) -> list[str]:
+    if strategy not in PRUNE_STRATEGIES:
+        raise ConfigurationError(
+            f"unknown prune strategy {strategy!r}; use 'keep_latest' or 'delete' (or keep=...)"
+        )
+    return _thread_ids(thread_ids)
+
+
+def _refuse_delta(threads: Sequence[str]) -> None:
+    if threads:
+        raise ConfigurationError(
+            f"prune(strategy='keep_latest') refuses threads that use a DeltaChannel "
+            f"({', '.join(threads)}): their values are rebuilt from older checkpoints. Nothing "
+            "was pruned; prune them with strategy='delete', or leave them whole"
+        )
+
+
+@contextmanager
+def _delta_refused() -> Iterator[None]:
+    """LangGraph's PostgreSQL ``prune`` refuses DeltaChannel threads with a bare
+    ``NotImplementedError`` (and prunes none): the same typed error as the other backends."""
+    try:
+        yield
+    except UnsupportedOperation:
+        raise
+    except NotImplementedError as exc:
+        raise ConfigurationError(
+            f"prune(strategy='keep_latest') refuses threads that use a DeltaChannel ({exc}); "
+            "nothing was pruned: prune them with strategy='delete', or leave them whole"
+        ) from exc
+
+
+def prune_strategy(cp: RecoveryAPI, thread_ids: Sequence[str], strategy: str) -> PruneReport:
+    """LangGraph's ``prune(thread_ids, strategy=...)`` on every backend.
+
+    ``"keep_latest"`` deletes every checkpoint but the latest of each namespace, with the
+    pending writes (and stored channel values) only the deleted ones needed; events, ledger
+    entries, decisions and artifacts all stay, so nothing a kept checkpoint may need to
+    recover is lost. PostgreSQL uses LangGraph's own ``prune``; in memory and on SQLite it
+    is :func:`prune`'s deletion without its refusals. A thread that uses a
+    ``DeltaChannel`` is refused (as LangGraph's PostgreSQL saver does), before anything is
+    deleted. ``"delete"`` deletes each thread whole, recovery records included, as
+    ``delete_thread`` does: no checkpoint is left that could need them. Unknown thread
+    ids are skipped, as LangGraph's savers do.
+
+    Raises:
+        ConfigurationError: For an unknown strategy, a single string as ``thread_ids``, or
+            ``"keep_latest"`` on a thread that uses a ``DeltaChannel``.
+    """
+    ids = _strategy_ids(thread_ids, strategy)
+    if not ids:
+        return PruneReport()
+    if strategy == "delete":
+        for thread_id in ids:
+            cp.delete_thread(thread_id)
+        return PruneReport(deleted=tuple(ids))
+    rows = rows_for(cp, "prune")
+    if rows.own_prune:
+        with _delta_refused():
+            cp.inner.prune(ids, strategy=strategy)
+        return PruneReport(pruned=tuple(ids))
+    _refuse_delta(rows.delta_threads(ids))
+    removed = 0
+    for thread_id in ids:
+        if isinstance(cp.inner, InMemorySaver):
+            removed += _prune_memory(cp.inner, thread_id, ())
+        else:
+            removed += int(cp._call("prune_checkpoints", thread_id, []))
+    return PruneReport(pruned=tuple(ids), checkpoints_removed=removed)
+
+
+async def aprune_strategy(cp: RecoveryAPI, thread_ids: Sequence[str], strategy: str) -> PruneReport:
+    """Async form of :func:`prune_strategy`."""
+    ids = _strategy_ids(thread_ids, strategy)
+    if not ids:
+        return PruneReport()
+    rows = rows_for(cp, "prune")
+    if not rows.has_async:  # a sync saver's async methods raise: use its sync ones
+        return await asyncio.to_thread(prune_strategy, cp, ids, strategy)
+    if strategy == "delete":
+        for thread_id in ids:
+            await cp.adelete_thread(thread_id)
+        return PruneReport(deleted=tuple(ids))
+    if rows.own_prune:
+        with _delta_refused():
+            await cp.inner.aprune(ids, strategy=strategy)
+        return PruneReport(pruned=tuple(ids))
+    _refuse_delta(await rows.adelta_threads(ids))
+    removed = 0
+    for thread_id in ids:
+        if isinstance(cp.inner, InMemorySaver):
+            removed += _prune_memory(cp.inner, thread_id, ())
+        else:
+            removed += int(await cp._acall("prune_checkpoints", thread_id, []))
+    return PruneReport(pruned=tuple(ids), checkpoints_removed=removed)
 
 
 def sweep(

@@ -43,6 +43,7 @@ from taskpilots_graph.checkpointers.base import (
     sqlite_error,
     sqlite_path,
 )
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compression import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
@@ -162,6 +163,30 @@ def _append_params(record: EventRecord) -> tuple[Any, ...]:
 
 _LEDGER = sql.LEDGER[_D]
 _ARTIFACTS = sql.ARTIFACTS[_D]
+_MESSAGES = sql.MESSAGES[_D]
+
+
+def _message_writes(rows: MessageRows) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The inserts of :meth:`SqliteStore.messages_write`, in order, with their rows."""
+    t = rows.thread_id
+    return [
+        (
+            _MESSAGES["message"],
+            [(t, m.key, m.message_id, m.type, m.payload) for m in rows.messages],
+        ),
+        (
+            _MESSAGES["sequence"],
+            [
+                (t, s.seq, s.checkpoint_ns, s.channel, s.parent_seq, s.parent_len)
+                for s in rows.sequences
+            ],
+        ),
+        (_MESSAGES["ref"], [(t, seq, position, key) for seq, position, key in rows.refs]),
+    ]
+
+
+def _loaded(rows: Any) -> list[LoadedRow]:
+    return [(int(p), bytes(k), str(t), bytes(b)) for p, k, t, b in rows]
 
 
 def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
@@ -260,6 +285,24 @@ class SqliteStore:
         with self._cursor("delete_thread") as cur:
             for statement in sql.DELETE_THREAD[_D]:
                 cur.execute(statement, (thread_id,))
+
+    def messages_write(self, rows: MessageRows) -> None:
+        """Insert a checkpoint's new messages, sequences and references in one transaction.
+
+        A transaction of its own, committed before the saver writes the checkpoint (the
+        saver commits its own): a crash in between leaves unreferenced rows, never a
+        checkpoint that refers to missing ones.
+        """
+        with self._cursor("messages_write") as cur:
+            for statement, params in _message_writes(rows):
+                if params:
+                    cur.executemany(statement, params)
+
+    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """The rows of positions ``0..length-1`` of sequence ``seq``, by position."""
+        params = {"thread_id": thread_id, "seq": seq, "len": length}
+        with self._cursor("messages_read") as cur:
+            return _loaded(cur.execute(_MESSAGES["read"], params).fetchall())
 
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
@@ -424,6 +467,22 @@ class AsyncSqliteStore:
         async with self._transaction("delete_thread") as conn:
             for statement in sql.DELETE_THREAD[_D]:
                 await conn.execute(statement, (thread_id,))
+
+    async def messages_write(self, rows: MessageRows) -> None:
+        """Async twin of :meth:`SqliteStore.messages_write`."""
+        async with self._transaction("messages_write") as conn:
+            for statement, params in _message_writes(rows):
+                if params:
+                    await conn.executemany(statement, params)
+
+    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
+        """Async twin of :meth:`SqliteStore.messages_read`."""
+        params = {"thread_id": thread_id, "seq": seq, "len": length}
+        async with (
+            self._transaction("messages_read") as conn,
+            conn.execute(_MESSAGES["read"], params) as cur,
+        ):
+            return _loaded(await cur.fetchall())
 
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]

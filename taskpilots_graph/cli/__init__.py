@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import typer
@@ -25,7 +26,7 @@ from taskpilots_graph.cli._threads import register as _register_threads
 from taskpilots_graph.cli._web import register as _register_web
 from taskpilots_graph.cli._workers import register as _register_workers
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "run", "run_command"]
 
 app = typer.Typer(
     name="taskpilots",
@@ -33,6 +34,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # Click's plain help: it fits 80 columns, labels no flag "<bool>", and needs no rich.
+    rich_markup_mode=None,
 )
 
 
@@ -67,6 +70,46 @@ _register_demo(app)
 _register_drill(app)
 _register_workers(app)
 _register_web(app)
+
+
+def _status(call: typer.Typer, argv: Sequence[str], prog_name: str) -> int:
+    try:
+        call(args=list(argv), prog_name=prog_name)
+    except SystemExit as done:  # click's standalone mode always ends this way
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
+def run(argv: Sequence[str], *, prog_name: str = "taskpilots") -> int:
+    """Run the ``taskpilots`` command with ``argv`` and return its exit status.
+
+    Every entry point goes through this one app (``taskpilots``, ``python -m
+    taskpilots_graph``, ``python -m taskpilots_graph.cli``), so they share commands,
+    options, help and exit statuses.
+
+    Example:
+        >>> run(["--version"])  # doctest: +SKIP
+        taskpilots-graph 0.1.0.dev0
+        0
+    """
+    return _status(app, argv, prog_name)
+
+
+def run_command(name: str, argv: Sequence[str], *, prog_name: str) -> int:
+    """Run the command ``name`` of the app as a program of its own (``python -m ...demo``).
+
+    Raises:
+        KeyError: If the app has no command ``name``.
+    """
+    info = next((c for c in app.registered_commands if c.name == name), None)
+    if info is None or info.callback is None:
+        raise KeyError(name)
+    single = typer.Typer(
+        pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None
+    )
+    single.command(name)(info.callback)  # one command and no callback: it is the program
+    return _status(single, argv, prog_name)
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ from taskpilots_graph.cli._common import (
     fail,
     guarded,
     parse_json_option,
+    say,
+    say_block,
     stdout,
     to_jsonable,
 )
@@ -39,10 +41,11 @@ GraphOption = Annotated[
     typer.Option(
         "--graph",
         "-g",
+        metavar="MODULE:ATTR",
         help="module:attribute of a factory taking the checkpointer (or a compiled graph).",
     ),
 ]
-ThreadArgument = Annotated[str, typer.Argument(help="The thread id.")]
+ThreadArgument = Annotated[str, typer.Argument(metavar="THREAD", help="The thread id.")]
 
 
 def importable_cwd() -> None:
@@ -122,11 +125,11 @@ def _run(graph: Any, cp: Any, thread: str, call: Callable[[], Any], as_json: boo
     out = stdout()
     out.print(f"thread {thread}: [bold]{info.get('status')}[/bold]")
     if last:
-        out.print(f"last message: {last}", markup=False)
+        say(f"last message: {last}")
     if retry_at is not None:
-        out.print(f"waits for a tool; resume it after {retry_at:.0f} (unix time)", markup=False)
+        say(f"waits for a tool; resume it after {retry_at:.0f} (unix time)")
     for request in requests:
-        out.print(str(request), markup=False)
+        say_block(str(request))
 
 
 def resume(
@@ -135,7 +138,7 @@ def resume(
     db: DbOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Continue a thread from its latest checkpoint (completed steps are not run again)."""
+    """Continue a thread from its latest checkpoint; completed steps do not run again."""
     from taskpilots_graph import runner
     from taskpilots_graph.errors import PendingTakeover
 
@@ -152,27 +155,53 @@ def resume(
 def decide(
     thread: ThreadArgument,
     action: Annotated[
-        str, typer.Argument(help="retry, skip, provide_result, edit_args or abandon.")
+        str,
+        typer.Argument(
+            metavar="ACTION",
+            help="retry, skip, provide_result, edit_args, abandon, or accept (a drifted "
+            "result: keep the new value).",
+        ),
     ],
     graph: GraphOption,
     args: Annotated[
-        str | None, typer.Option("--args", help="New arguments as a JSON object (edit_args).")
+        str | None,
+        typer.Option("--args", metavar="JSON", help="New arguments as a JSON object (edit_args)."),
     ] = None,
     result: Annotated[
         str | None,
-        typer.Option("--result", help="The tool's result as JSON (provide_result)."),
+        typer.Option(
+            "--result", metavar="JSON", help="The tool's result as JSON (provide_result)."
+        ),
     ] = None,
     tool_call_id: Annotated[
         str | None,
-        typer.Option("--tool-call-id", help="The waiting step, when several steps wait."),
+        typer.Option(
+            "--tool-call-id", metavar="ID", help="The waiting step, when several steps wait."
+        ),
     ] = None,
-    by: Annotated[str | None, typer.Option("--by", help="Who decides (recorded).")] = None,
-    note: Annotated[str | None, typer.Option("--note", help="A note recorded with it.")] = None,
+    takeover: Annotated[
+        str | None,
+        typer.Option(
+            "--takeover",
+            metavar="ID",
+            help="The takeover answered (its id, from 'taskpilots show'); refused if it was "
+            "answered meanwhile.",
+        ),
+    ] = None,
+    by: Annotated[
+        str | None, typer.Option("--by", metavar="NAME", help="Who decides (recorded).")
+    ] = None,
+    note: Annotated[
+        str | None, typer.Option("--note", metavar="TEXT", help="A note recorded with it.")
+    ] = None,
     db: DbOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Answer a thread's takeover and continue it."""
+    from functools import partial
+
     from taskpilots_graph import runner
+    from taskpilots_graph.errors import StaleDecision
     from taskpilots_graph.takeover import parse_decision
 
     with guarded():
@@ -183,17 +212,26 @@ def decide(
         parsed_result = parse_json_option("--result", result)
         if parsed_result is not None:
             fields["result"] = parsed_result
-        for name, value in (("tool_call_id", tool_call_id), ("decided_by", by), ("note", note)):
+        named = (("tool_call_id", tool_call_id), ("interrupt_id", takeover))
+        for name, value in (*named, ("decided_by", by), ("note", note)):
             if value is not None:
                 fields[name] = value
         decision = parse_decision(fields)  # InvalidDecision before anything is opened
         with graph_on(graph, db) as (compiled, cp):
-            _run(compiled, cp, thread, lambda: runner.decide(compiled, thread, decision), as_json)
+            answer = partial(runner.decide, compiled, thread, decision)
+            try:
+                _run(compiled, cp, thread, answer, as_json)
+            except StaleDecision as stale:
+                # Nothing changed; point at what waits now rather than invite a blind re-run.
+                fail(f"{stale}. See 'taskpilots show {thread}' for the takeover pending now")
 
 
 def rewind(
     thread: ThreadArgument,
-    to: Annotated[str, typer.Option("--to", help="A business milestone name or a checkpoint id.")],
+    to: Annotated[
+        str,
+        typer.Option("--to", metavar="TARGET", help="A business milestone or a checkpoint id."),
+    ],
     graph: GraphOption,
     db: DbOption = None,
     as_json: JsonOption = False,
@@ -207,6 +245,6 @@ def rewind(
 
 def register(app: typer.Typer) -> None:
     """Add ``resume``, ``decide`` and ``rewind`` to ``app``."""
-    app.command("resume")(resume)
-    app.command("decide")(decide)
-    app.command("rewind")(rewind)
+    app.command("resume", short_help="Continue a thread from its last checkpoint.")(resume)
+    app.command("decide", short_help="Answer a takeover and continue the thread.")(decide)
+    app.command("rewind", short_help="Go back to a milestone and continue.")(rewind)

@@ -43,6 +43,8 @@ __all__ = [
     "parse_json_option",
     "redact",
     "resolve_db",
+    "say",
+    "say_block",
     "stderr",
     "stdout",
     "to_jsonable",
@@ -67,6 +69,7 @@ DbOption = Annotated[
     str | None,
     typer.Option(
         "--db",
+        metavar="URL",
         help="SQLite path, sqlite:///PATH or postgresql://URL "
         f"(default: ${DB_ENV[0]}, else ${DB_ENV[1]}, else {DEFAULT_DB}).",
         show_default=False,
@@ -87,6 +90,21 @@ def stderr() -> Console:
     from rich.console import Console
 
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def say(text: str, *, indent: int = 0) -> None:
+    """Print a sentence on stdout, wrapped between words (never inside one) at the edge."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    stdout().print(Padding(Text(text), (0, 0, 0, indent), expand=False), soft_wrap=False)
+
+
+def say_block(text: str) -> None:
+    """:func:`say` each line of ``text``, continued under the line's own indentation."""
+    for line in text.splitlines():
+        stripped = line.lstrip(" ")
+        say(stripped, indent=len(line) - len(stripped))
 
 
 def fail(message: str) -> NoReturn:
@@ -182,6 +200,40 @@ def _probe_postgres(url: str) -> None:
         raise StorageError(f"cannot reach database {redact(url)}: {reason}") from exc
 
 
+def _tables(path: str) -> list[str]:
+    """The tables of the SQLite file at ``path``, read without writing anything."""
+    from contextlib import closing
+
+    from taskpilots_graph.errors import StorageError
+
+    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=5)) as conn:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise StorageError(f"{path!r} is not a usable SQLite database: {exc}") from exc
+    return sorted(str(name) for (name,) in rows)
+
+
+def _check_store(path: str) -> None:
+    """Refuse a SQLite file that is some other program's database.
+
+    Opening it would add the store's tables to it (``setup``) and then report "no
+    threads", hiding the mistake. A new, empty file and a plain LangGraph store (a
+    ``checkpoints`` table, which the recovery store extends) are accepted.
+    """
+    from taskpilots_graph.errors import StorageError
+
+    tables = _tables(path)
+    ours = [t for t in tables if t == "checkpoints" or t.startswith("taskpilots_")]
+    if tables and not ours:
+        shown = ", ".join(tables[:5]) + (f" and {len(tables) - 5} more" if len(tables) > 5 else "")
+        raise StorageError(
+            f"{path!r} is a SQLite database but not a taskpilots store (its tables: {shown}); "
+            "pass the runs database with --db"
+        )
+
+
 def checked_db(db: str | None, *, create: bool = False) -> str:
     """The connection string the options point at, checked before anything is opened.
 
@@ -192,7 +244,8 @@ def checked_db(db: str | None, *, create: bool = False) -> str:
 
     Raises:
         ConfigurationError: A malformed connection string, or ``:memory:``.
-        StorageError: A missing SQLite file or an unreachable PostgreSQL server.
+        StorageError: A missing SQLite file, a SQLite file that is not a taskpilots store,
+            or an unreachable PostgreSQL server.
     """
     from taskpilots_graph.checkpointers.base import parse_conn_string
     from taskpilots_graph.errors import ConfigurationError, StorageError
@@ -209,6 +262,8 @@ def checked_db(db: str | None, *, create: bool = False) -> str:
             f"no database at {target.address!r}; pass --db or set {DB_ENV[0]} "
             f"(a SQLite path or a PostgreSQL URL)"
         )
+    if target.backend == "sqlite" and Path(target.address).is_file():
+        _check_store(target.address)
     if target.backend == "postgres":
         _probe_postgres(conn)
     return conn

@@ -28,6 +28,7 @@ def drill(
         str | None,
         typer.Option(
             "--input",
+            metavar="JSON",
             help='The input of each drill run as JSON [default: {"messages": '
             '[{"role": "user", "content": "Run the drill task."}]}].',
             show_default=False,
@@ -37,30 +38,55 @@ def drill(
         list[str] | None,
         typer.Option(
             "--effect",
+            metavar="TOOL",
             help="Count this tool as a side effect (repeatable) [default: the @side_effect "
             "tools, or every tool if none is declared].",
             show_default=False,
         ),
     ] = None,
     workdir: Annotated[
-        Path | None, typer.Option("--workdir", help="Keep the drill databases in this folder.")
+        Path | None,
+        typer.Option("--workdir", metavar="DIR", help="Keep the drill databases in this folder."),
     ] = None,
     no_crash: Annotated[
         bool, typer.Option("--no-crash", help="Skip the crash drill (child processes).")
     ] = False,
+    real_effects: Annotated[
+        bool,
+        typer.Option(
+            "--real-effects",
+            help="Drill a factory not marked @drill_graph: its real tools run, many times.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Run the three fault drills and a crash drill against a graph; print the metrics.
+    """Run the fault drills and a crash drill on a graph built with test doubles.
 
-    The graph must be a factory taking the checkpointer: the drills run it on a database
-    of their own. Exits 1 if any drill failed (for example, a repeated side effect).
+    The drills run every tool of the graph, many times: --graph names a factory taking
+    the checkpointer that builds the graph on fakes, marked @drill_graph (from
+    taskpilots_graph.drills). An unmarked factory is refused unless --real-effects says
+    that its real side effects are meant. Exits 1 if any drill failed (for example, a
+    repeated side effect).
     """
-    from taskpilots_graph.drills import run_drills
+    from taskpilots_graph.drills import is_drill_graph, load_graph, run_drills
 
     with guarded():
         run_input = parse_json_option("--input", input_json)
         importable_cwd()
         console = stderr()
+        marked = is_drill_graph(load_graph(graph).target)
+        if marked:
+            console.print(
+                f"drilling {graph}: marked @drill_graph, its tools are test doubles",
+                markup=False,
+            )
+        elif real_effects:
+            console.print(
+                f"warning: drilling {graph} with --real-effects: its tools call real "
+                "services, and every drill performs their side effects again",
+                style="bold yellow",
+                markup=False,
+            )
         with console.status("baseline run") as status:
             report = run_drills(
                 graph,
@@ -69,6 +95,7 @@ def drill(
                 effect_tools=effect or None,
                 crash=not no_crash,
                 on_drill=lambda name: status.update(f"drill: {name.replace('_', ' ')}"),
+                real_effects=real_effects,
             )
         if as_json:
             emit_json(report.as_dict())
@@ -84,10 +111,14 @@ def _print(report: Any) -> None:
     from taskpilots_graph.cli._threads import _print_metrics
 
     out = stdout()
-    out.print(f"drills against {report.graph}; baseline called: {', '.join(report.baseline)}")
-    table = Table(title="drills", title_justify="left")
-    for column in ("drill", "outcome", "tool", "ended", "duplicates", "detail"):
-        table.add_column(column, overflow="fold")
+    kind = "real services" if report.real_effects else "test doubles"
+    out.print(
+        f"drills against {report.graph} ({kind}); baseline called: {', '.join(report.baseline)}",
+        markup=False,
+    )
+    table = Table(title="drills", title_justify="left", box=None, pad_edge=False)
+    for column in ("drill", "outcome", "tool", "ended", "duplicates"):
+        table.add_column(column, no_wrap=True, overflow="ellipsis")
     for r in report.results:
         colour = COLOURS[r.outcome]
         table.add_row(
@@ -96,9 +127,12 @@ def _print(report: Any) -> None:
             r.tool or "",
             r.settled or "",
             str(r.duplicates),
-            r.detail,
         )
     out.print(table)
+    # The details are sentences: on lines of their own they wrap between words.
+    for r in report.results:
+        if r.detail:
+            out.print(f"  {r.name.replace('_', ' ')}: {r.detail}", markup=False, soft_wrap=False)
     _print_metrics(report.metrics)
     verdict = "[green]all drills passed[/green]" if report.passed else "[red]drills failed[/red]"
     out.print(f"{verdict}; duplicate side effects: {report.duplicates}")
@@ -106,4 +140,4 @@ def _print(report: Any) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add ``drill`` to ``app``."""
-    app.command("drill")(drill)
+    app.command("drill", short_help="Fault and crash drills on a test-double graph.")(drill)

@@ -14,6 +14,8 @@ from taskpilots_graph.cli._common import (
     emit_json,
     guarded,
     open_store,
+    say,
+    say_block,
     stdout,
     to_jsonable,
     warn_corrupt,
@@ -21,12 +23,16 @@ from taskpilots_graph.cli._common import (
 
 if TYPE_CHECKING:
     from rich.table import Table
+    from rich.text import Text
 
 __all__ = ["parse_since", "register"]
 
 STATUSES = ("running", "waiting_tool", "awaiting_human", "closed", "failed")
 THREAD_COLUMNS = ["thread_id", "status", "step", "last_event", "events", "effects", "unsettled"]
-NO_WRAP = frozenset({"thread_id", "status", "seq", "kind", "metric", "key"})
+NO_WRAP = frozenset({"thread_id", "status", "seq", "kind", "metric"})
+SHORT = frozenset({"value", "attempt", "events", "effects", "tool", "time", "updated"})
+GAP = 2  # spaces between columns
+MIN_WIDTH = 6  # the narrowest a free-text column gets: "abcd…"
 PAYLOAD_CHARS = 60  # a timeline row stays on one line in a 120-column terminal
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
@@ -56,7 +62,17 @@ def parse_since(text: str | None) -> datetime | None:
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
 
 
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
 def _table(title: str, rows: list[dict[str, Any]], columns: list[str] | None = None) -> Table:
+    """A table that fits the terminal: a long value ends in "…", no cell ever wraps.
+
+    Wrapping inside a cell breaks words into fragments at 80 columns (``create_ticket``
+    printed as ``cre/ate/_ti/cke/t``). Identifier columns keep their width and free text
+    gives way; ``--json`` has every value whole.
+    """
     from rich.table import Table
 
     columns = columns or [
@@ -64,19 +80,44 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str] | None = N
         for k, v in (rows[0] if rows else {}).items()
         if v is None or isinstance(v, str | int | float | bool)
     ]
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for column in columns:
-        table.add_column(column.replace("_", " "), overflow="fold", no_wrap=column in NO_WRAP)
-    for row in rows:
-        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    cells = [["" if row.get(c) is None else str(row.get(c)) for c in columns] for row in rows]
+    natural = [
+        max([len(c.replace("_", " ")), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)
+    ]
+    fixed = [c in NO_WRAP or c in SHORT for c in columns]
+    room = stdout().width - GAP * (len(columns) - 1)
+    room -= sum(w for w, f in zip(natural, fixed, strict=True) if f)
+    flexible = sum(w for w, f in zip(natural, fixed, strict=True) if not f)
+    widths = [
+        w if f or flexible <= room else max(MIN_WIDTH, room * w // flexible)
+        for w, f in zip(natural, fixed, strict=True)
+    ]
+    table = Table(
+        title=title, title_justify="left", box=None, pad_edge=False, padding=(0, GAP, 0, 0)
+    )
+    for column, width in zip(columns, widths, strict=True):
+        table.add_column(column.replace("_", " "), no_wrap=True, max_width=width)
+    for row in cells:
+        table.add_row(*(_fit(cell, width) for cell, width in zip(row, widths, strict=True)))
     return table
+
+
+def _line(text: str, **style: Any) -> Text:
+    """One line of output cut with "…" at the terminal's edge instead of wrapping."""
+    from rich.text import Text
+
+    return Text(_fit(text, stdout().width), no_wrap=True, **style)
 
 
 def threads(
     db: DbOption = None,
     status: Annotated[
         list[str] | None,
-        typer.Option("--status", help=f"Only threads in this status ({', '.join(STATUSES)})."),
+        typer.Option(
+            "--status",
+            metavar="STATUS",
+            help=f"Only threads in this status ({', '.join(STATUSES)}).",
+        ),
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -136,91 +177,141 @@ def _event_row(event: Any) -> dict[str, Any]:
 
 def _ledger_row(entry: Any) -> dict[str, Any]:
     return {
-        "key": entry.key,
         "tool": entry.tool,
         "status": str(entry.status.value),
         "attempt": entry.attempt,
-        "updated": entry.updated_at.isoformat(timespec="seconds"),
+        "updated": entry.updated_at.strftime("%Y-%m-%d %H:%M:%S"),
+        "key": entry.key,
     }
 
 
 def show(
-    thread: Annotated[str, typer.Argument(help="The thread id.")],
+    thread: Annotated[str, typer.Argument(metavar="THREAD", help="The thread id.")],
     db: DbOption = None,
+    events: Annotated[
+        bool, typer.Option("--events", help="Also list the raw events, one row each.")
+    ] = False,
     replay: Annotated[
-        bool, typer.Option("--replay", help="Also replay the run step by step from its events.")
+        bool, typer.Option("--replay", hidden=True, help="Kept for old scripts: the default.")
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Show one thread: status and current step, timeline, ledger, pending takeover."""
+    """Tell a thread's story: what ran, where it stopped, what was recovered.
+
+    The story is the run replayed from its event log, with the moments the process
+    stopped marked; then the ledger and any takeover waiting on a person. ``--json`` has
+    everything, uncut (the thread, its events, ledger, takeover and replay steps).
+    """
     from taskpilots_graph.runner import pending_takeovers
 
     with guarded():
+        from taskpilots_graph.replay import replay as replay_thread
         from taskpilots_graph.threads import thread_info
 
         with open_store(db) as cp:
             info = thread_info(cp, thread)  # ThreadNotFound for an unknown id
-            events = cp.events(thread)
+            log = cp.events(thread)
             ledger = cp.ledger(thread)
             requests = pending_takeovers(cp, thread_ids=[thread])
-            rendered = _replay(cp, thread) if replay else None
+            story = replay_thread(cp, thread)
         if as_json:
-            data: dict[str, Any] = {
-                "thread": to_jsonable(info),
-                "events": to_jsonable(events),
-                "ledger": to_jsonable(ledger),
-                "takeover": to_jsonable(requests[0]) if requests else None,
-            }
-            if replay:
-                data["replay"] = rendered
-            emit_json(data)
-            return
-        out = stdout()
-        summary = to_jsonable(info)
-        out.print(f"[bold]thread {thread}[/bold]  status: [bold]{summary.get('status')}[/bold]")
-        step = summary.get("current_step")
-        if isinstance(step, dict):
-            summary["current_step"] = (
-                f"{step.get('tool')} ({step.get('status')}, attempt {step.get('attempts')})"
+            emit_json(
+                {
+                    "thread": to_jsonable(info),
+                    "events": to_jsonable(log),
+                    "ledger": to_jsonable(ledger),
+                    "takeover": to_jsonable(requests[0]) if requests else None,
+                    "replay": story.as_dict(),
+                }
             )
-        for key, value in summary.items():
-            if key not in ("thread_id", "status") and value not in (None, "", [], {}):
-                out.print(f"  {key.replace('_', ' ')}: {value}", markup=False)
-        out.print(_table(f"timeline ({len(events)} events)", [_event_row(e) for e in events]))
-        if ledger:
-            out.print(_table(f"ledger ({len(ledger)} entries)", [_ledger_row(e) for e in ledger]))
-        else:
-            out.print("ledger: no side effects recorded")
-        for request in requests:
-            out.print("[bold yellow]takeover requested[/bold yellow]")
-            out.print(str(request), markup=False)
-        if rendered is not None:
-            out.print("[bold]replay[/bold]")
-            out.print(rendered, markup=False)
+            return
+        _print_thread(to_jsonable(info), story, log if events else None, ledger, requests)
 
 
-def _replay(cp: Any, thread: str) -> str:
-    from taskpilots_graph.replay import replay
+def _print_thread(
+    summary: dict[str, Any], story: Any, log: Any, ledger: Any, requests: Any
+) -> None:
+    out = stdout()
+    counts = (
+        f"{summary.get('events')} events, {summary.get('tool_calls')} tool calls, "
+        f"{summary.get('tool_failures')} failures, {summary.get('effects')} effects"
+    )
+    out.print(
+        _line(f"thread {summary['thread_id']}: {summary.get('status')} ({counts})"),
+    )
+    step = summary.get("current_step")
+    if isinstance(step, dict):
+        text = f"{step.get('tool')} ({step.get('status')}, attempt {step.get('attempts')})"
+        out.print(_line(f"current step: {text}"))
+    for name in ("reason", "intended_effects", "uncertain_effects"):
+        if summary.get(name):
+            out.print(_line(f"{name.replace('_', ' ')}: {summary[name]}"))
+    out.print()
+    for line in _story_lines(story):
+        out.print(_line(line))
+    if log is not None:
+        out.print(_table(f"\nevents ({len(log)})", [_event_row(e) for e in log]))
+    if ledger:
+        out.print(_table(f"\nledger ({len(ledger)} entries)", [_ledger_row(e) for e in ledger]))
+    else:
+        out.print("\nledger: no side effects recorded")
+    for request in requests:
+        out.print("\n[bold yellow]takeover requested[/bold yellow]")
+        say_block(str(request))
 
-    text: str = replay(cp, thread).render()
-    return text
+
+RESULTS = frozenset({"tool_succeeded", "tool_failed", "tool_paused", "tool_skipped"})
+AFTERMATH = frozenset({"run_resumed", "effect_reconciled", "effect_uncertain", "intent_awaited"})
+
+
+def _story_lines(story: Any) -> list[str]:
+    """The replay, one line per step, with a line where the process stopped mid call.
+
+    A call whose result never reached the log, followed by a resume or a reconciliation,
+    is where the process died: the replay alone shows the next step seconds later with
+    nothing in between, which reads as if the engine hesitated.
+    """
+    lines = [
+        f"{story.thread_id}: {len(story.steps)} steps, {len(story.tool_calls)} tool calls, "
+        f"{len(story.failures)} failures"
+    ]
+    open_calls: dict[str, Any] = {}
+    for step in story.steps:
+        kind = step.kind.value
+        if kind == "tool_invoked":
+            open_calls[step.tool_call_id or step.key or str(step.seq)] = step
+        elif kind in RESULTS:
+            open_calls.pop(step.tool_call_id or step.key or str(step.seq), None)
+        elif kind in AFTERMATH and open_calls:
+            started = max(s.at for s in open_calls.values())
+            tools = ", ".join(sorted({s.tool or "?" for s in open_calls.values()}))
+            gap = (step.at - started).total_seconds()
+            lines.append(
+                f"{'':>6}>> process stopped during {tools} (no result); resumed {gap:.1f} s later"
+            )
+            open_calls.clear()
+        lines.extend(step.render().splitlines())
+    return lines
 
 
 def metrics(
     db: DbOption = None,
     since: Annotated[
         str | None,
-        typer.Option("--since", help="Only runs since this ISO time or age (30m, 24h, 7d)."),
+        typer.Option(
+            "--since", metavar="WHEN", help="Only runs since this ISO time or age (30m, 24h, 7d)."
+        ),
     ] = None,
     thread: Annotated[
-        list[str] | None, typer.Option("--thread", help="Only this thread (repeatable).")
+        list[str] | None,
+        typer.Option("--thread", metavar="THREAD", help="Only this thread (repeatable)."),
     ] = None,
     prometheus: Annotated[
         bool, typer.Option("--prometheus", help="Print Prometheus text exposition format.")
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Print the four recovery metrics, plus failures, retries and degradations per tool."""
+    """Print the four recovery metrics, then failures and retries per tool."""
     with guarded():
         from taskpilots_graph.metrics import recovery_metrics
 
@@ -252,44 +343,59 @@ def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _print_metrics(data: dict[str, Any]) -> None:
-    """The four recovery metrics first, then runs, per-tool statistics and totals."""
+    """The four recovery metrics first, then runs, per-tool statistics and totals.
+
+    Each metric is a line with its value, then an indented line saying what it is made
+    of: the explanations are sentences, which wrap between words at any width.
+    """
     out = stdout()
     local = _section(data, "local_recovery")
     dup = _section(data, "duplicate_side_effects")
     close = _section(data, "time_to_close")
     human = _section(data, "human_takeover")
+    totals = _section(data, "totals")
     wait = _fmt(human.get("mean_wait_seconds"), " s")
-    rows = [
-        {
-            "metric": "local recovery success rate",
-            "value": _fmt(local.get("rate")),
-            "from": f"{local.get('recovered')} of {local.get('failures')} failures recovered, "
-            f"{local.get('pending')} pending",
-        },
-        {
-            "metric": "duplicate side-effect rate",
-            "value": _fmt(dup.get("rate")),
-            "from": f"{dup.get('duplicates')} duplicates in {dup.get('effects')} effects, "
+    local_from = (
+        f"{local.get('recovered')} of {local.get('failures')} failed tool steps recovered, "
+        f"{local.get('pending')} pending"
+    )
+    if not local.get("failures"):
+        local_from = "no tool step failed"
+    if resumes := totals.get("resumes"):
+        # A crash is not a tool failure, so the rate leaves it out; say what happened.
+        local_from += (
+            f"; {resumes} run(s) resumed after a stop, each from its last checkpoint "
+            "(interrupted effects reconciled, not repeated)"
+        )
+    metrics = [
+        ("local recovery success rate", _fmt(local.get("rate")), local_from),
+        (
+            "duplicate side-effect rate",
+            _fmt(dup.get("rate")),
+            f"{dup.get('duplicates')} duplicates in {dup.get('effects')} effects, "
             f"{dup.get('possible_duplicates')} possible",
-        },
-        {
-            "metric": "mean time to close after a tool failure",
-            "value": _fmt(close.get("mean_seconds"), " s"),
-            "from": f"{close.get('samples')} closed, {close.get('open')} open, "
+        ),
+        (
+            "mean time to close after a tool failure",
+            _fmt(close.get("mean_seconds"), " s"),
+            f"{close.get('samples')} closed, {close.get('open')} open, "
             f"{close.get('failed')} failed",
-        },
-        {
-            "metric": "human takeovers per 100 runs",
-            "value": _fmt(human.get("per_100_runs")),
-            "from": f"{human.get('takeovers')} in {human.get('runs')} runs, "
+        ),
+        (
+            "human takeovers per 100 runs",
+            _fmt(human.get("per_100_runs")),
+            f"{human.get('takeovers')} in {human.get('runs')} runs, "
             f"{human.get('pending')} pending, mean wait {wait}",
-        },
+        ),
     ]
-    out.print(_table("recovery metrics", rows, ["metric", "value", "from"]))
+    out.print("[bold]recovery metrics[/bold]")
+    for name, value, source in metrics:
+        out.print(f"  {name}: [bold]{value}[/bold]")
+        say(source, indent=6)
     if decisions := human.get("decisions"):
-        out.print("decisions: " + ", ".join(f"{k}={v}" for k, v in decisions.items()))
+        say("decisions: " + ", ".join(f"{k}={v}" for k, v in decisions.items()))
     if runs := _section(data, "runs"):
-        out.print("runs: " + ", ".join(f"{k}={v}" for k, v in runs.items()))
+        say("runs: " + ", ".join(f"{k}={v}" for k, v in runs.items()))
     tools = _section(data, "tools")
     if tools:
         tool_rows = []
@@ -303,12 +409,12 @@ def _print_metrics(data: dict[str, Any]) -> None:
                 }
             )
         out.print(_table("per tool", tool_rows, list(tool_rows[0])))
-    if totals := _section(data, "totals"):
-        out.print("totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()))
+    if totals:
+        say("totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()))
 
 
 def register(app: typer.Typer) -> None:
     """Add ``threads``, ``show`` and ``metrics`` to ``app``."""
-    app.command("threads")(threads)
-    app.command("show")(show)
-    app.command("metrics")(metrics)
+    app.command("threads", short_help="List the threads and their status.")(threads)
+    app.command("show", short_help="Tell a thread's story: steps, stops, recovery.")(show)
+    app.command("metrics", short_help="The four recovery metrics; failures per tool.")(metrics)

@@ -84,5 +84,5 @@ def map_command(
 
 def register(app: typer.Typer) -> None:
     """Add ``inbox`` and ``map`` to ``app``."""
-    app.command("inbox")(inbox)
-    app.command("map")(map_command)
+    app.command("inbox", short_help="Takeovers in the browser (extra web).")(inbox)
+    app.command("map", short_help="Per tool, what each kind of failure leads to.")(map_command)

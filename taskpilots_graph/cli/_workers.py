@@ -1,20 +1,59 @@
 """``taskpilots supervise`` and ``taskpilots worker``: the supervisor and the queue workers.
 
-The same commands as ``python -m taskpilots_graph supervise|worker``. ``--graph`` names a
+``python -m taskpilots_graph supervise|worker`` runs the same commands. ``--graph`` names a
 compiled graph or a factory ``build(*, checkpointer, leases)`` (see
 :mod:`taskpilots_graph.config`); the supervisor needs the graph built with the lease backend
 it is given. ``--leases`` defaults to ``$TASKPILOTS_REDIS_URL``, else the database itself.
+
+Both are long-running services, so a configuration mistake (a bad ``--graph``, a malformed
+URL) exits with :data:`EXIT_CONFIG`, apart from every other failure: a process manager
+told not to restart on it (systemd's ``RestartPreventExitStatus=2``) stops instead of
+restarting a worker that can never start.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 
 from taskpilots_graph.cli._common import DbOption, guarded, resolve_db, stdout
 
-__all__ = ["register"]
+__all__ = ["EXIT_CONFIG", "register"]
+
+EXIT_CONFIG = 2
+"""Exit status of ``supervise`` and ``worker`` stopped by a configuration mistake."""
+
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Log every scan and job (INFO level).")
+]
+
+
+@contextmanager
+def _service(verbose: bool) -> Iterator[None]:
+    """Logging for a long-running command; its configuration mistakes exit 2."""
+    from taskpilots_graph.errors import ConfigurationError
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        with guarded():
+            yield
+    except typer.Exit as done:
+        # guarded() has printed the error line; the mistake it came from picks the status.
+        if isinstance(done.__context__, ConfigurationError):
+            raise typer.Exit(EXIT_CONFIG) from None
+        raise
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
 
 GraphOption = Annotated[
     str,
@@ -45,16 +84,20 @@ def supervise(
     stalled_after: Annotated[
         float, typer.Option(help="With --queue: seconds of worker silence before its jobs rerun.")
     ] = 30.0,
+    verbose: VerboseOption = False,
 ) -> None:
-    """Resume threads whose worker died or whose tool wait is over; each thread once."""
+    """Resume threads whose worker died or whose tool wait is over; each thread once.
+
+    Exits 2 on a configuration mistake (a bad --graph or URL), 1 on any other error.
+    """
     from taskpilots_graph.supervisor import ScanReport, serve_supervisor
 
     console = stdout()
 
     def show(report: ScanReport) -> None:
-        console.print(report.summary())
+        console.print(report.summary(), markup=False)
 
-    with guarded():
+    with _service(verbose):
         if queue:
             from taskpilots_graph.workers import serve_queue_supervisor
 
@@ -68,12 +111,17 @@ def supervise(
                 on_report=show,
             )
         else:
+            stop = threading.Event()
+            if threading.current_thread() is threading.main_thread():  # signal's own rule
+                # SIGTERM (a process manager stopping the service) ends the scan loop cleanly.
+                signal.signal(signal.SIGTERM, lambda *_: stop.set())
             serve_supervisor(
                 graph,
                 db=resolve_db(db),
                 leases=leases,
                 interval=interval,
                 once=once,
+                stop=stop,
                 on_report=show,
             )
 
@@ -95,9 +143,14 @@ def worker(
     ] = 30.0,
     heartbeat: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
     burst: Annotated[bool, typer.Option("--burst", help="Exit once the queue is empty.")] = False,
+    verbose: VerboseOption = False,
 ) -> None:
-    """Run a procrastinate queue worker for the graph (extra `workers`, PostgreSQL)."""
-    with guarded():
+    """Run a procrastinate queue worker for the graph (extra `workers`, PostgreSQL).
+
+    Prints "taskpilots worker ready" once the graph is open. Exits 2 on a configuration
+    mistake (a bad --graph or URL), 1 on any other error.
+    """
+    with _service(verbose):
         from taskpilots_graph.workers import serve_worker
 
         serve_worker(
@@ -116,5 +169,7 @@ def worker(
 
 def register(app: typer.Typer) -> None:
     """Add the ``supervise`` and ``worker`` commands to ``app``."""
-    app.command("supervise")(supervise)
-    app.command("worker")(worker)
+    app.command("supervise", short_help="Resume threads whose worker died or wait ended.")(
+        supervise
+    )
+    app.command("worker", short_help="A procrastinate queue worker (extra workers).")(worker)

@@ -48,7 +48,11 @@ CREATE TABLE IF NOT EXISTS effects (
 );
 CREATE INDEX IF NOT EXISTS effects_key ON effects (service, request_key);
 CREATE TABLE IF NOT EXISTS kill_points (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, service TEXT NOT NULL, phase TEXT NOT NULL
+    id INTEGER PRIMARY KEY AUTOINCREMENT, service TEXT NOT NULL, phase TEXT NOT NULL, about TEXT
+);
+CREATE TABLE IF NOT EXISTS kills_fired (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, service TEXT NOT NULL, phase TEXT NOT NULL,
+    identity TEXT NOT NULL, ts REAL NOT NULL
 );
 """
 
@@ -93,10 +97,22 @@ class Services:
                 customers,
             )
 
-    def plant_kill(self, service: str, phase: Phase) -> None:
-        """Make the next call of ``service`` SIGKILL its caller, before or after the effect."""
+    def plant_kill(self, service: str, phase: Phase, *, about: str | None = None) -> None:
+        """Make the next call of ``service`` SIGKILL its caller, before or after the effect.
+
+        Args:
+            service: The operation whose call dies (``create_ticket``, ``crm_tag``, ...).
+            phase: ``"before"`` the effect is written, or right ``"after"`` it.
+            about: Only a call about this business object dies: an order id (``o003``) or,
+                for ``crm_tag``, a customer id. Placing kills by business step, not by call
+                count or wall time, makes a drill land on the same steps in every run and
+                in every mode, whatever the machine's load.
+        """
         with self._db() as db:
-            db.execute("INSERT INTO kill_points (service, phase) VALUES (?, ?)", (service, phase))
+            db.execute(
+                "INSERT INTO kill_points (service, phase, about) VALUES (?, ?, ?)",
+                (service, phase, about),
+            )
 
     def pending_kills(self) -> int:
         """Kill points not yet triggered."""
@@ -107,6 +123,12 @@ class Services:
         """Remove every planted kill point."""
         with self._db() as db:
             db.execute("DELETE FROM kill_points")
+
+    def kills_fired(self) -> list[tuple[str, Phase, str]]:
+        """``(service, phase, identity)`` of every kill point that fired, oldest first."""
+        with self._db() as db:
+            rows = db.execute("SELECT service, phase, identity FROM kills_fired ORDER BY id")
+            return [(service, phase, identity) for service, phase, identity in rows]
 
     def effect_counts(self) -> list[EffectCount]:
         """Per service: effects performed and duplicates (same identity more than once)."""
@@ -130,14 +152,23 @@ class Services:
 
     # -- the calls an agent makes --------------------------------------------------------------
 
-    def _maybe_die(self, db: sqlite3.Connection, service: str, phase: Phase) -> None:
+    def _maybe_die(self, db: sqlite3.Connection, service: str, phase: Phase, identity: str) -> None:
+        # An identity is "<order or customer id>:<what>"; substr, not LIKE, so that an id
+        # holding "%" or "_" matches only itself.
         row = db.execute(
-            "SELECT id FROM kill_points WHERE service = ? AND phase = ? ORDER BY id LIMIT 1",
-            (service, phase),
+            "SELECT id FROM kill_points WHERE service = ? AND phase = ? "
+            "AND (about IS NULL OR substr(?, 1, length(about) + 1) = about || ':') "
+            "ORDER BY id LIMIT 1",
+            (service, phase, identity),
         ).fetchone()
         if row is not None:
-            # Consume the kill point first, so the process that resumes does not die again.
+            # Consume the kill point first, so the process that resumes does not die again;
+            # the record of where it fired lets the drill say where its worker died.
             db.execute("DELETE FROM kill_points WHERE id = ?", row)
+            db.execute(
+                "INSERT INTO kills_fired (service, phase, identity, ts) VALUES (?, ?, ?, ?)",
+                (service, phase, identity, time.time()),
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _pause(self) -> None:
@@ -149,7 +180,7 @@ class Services:
     ) -> str:
         self._pause()
         with self._db() as db:
-            self._maybe_die(db, service, "before")
+            self._maybe_die(db, service, "before", identity)
             effect_id = f"{service}-{uuid.uuid4().hex[:10]}"
             db.execute(
                 "INSERT INTO effects (service, identity, request_key, payload, ts) "
@@ -162,7 +193,7 @@ class Services:
                     time.time(),
                 ),
             )
-            self._maybe_die(db, service, "after")
+            self._maybe_die(db, service, "after", identity)
         return effect_id
 
     def _find(self, service: str, request_key: str) -> dict[str, Any] | None:

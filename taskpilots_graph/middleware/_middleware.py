@@ -356,7 +356,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                 self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
-            compensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
+            compensate(
+                cp,
+                req.thread_id,
+                req.checkpoint_ns,
+                req.tools,
+                leases=self.lease_backend(),
+                lease_ttl=self.lease_ttl,
+            )
             return None
         if isinstance(req, Flush):
             if pending:
@@ -497,7 +504,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                 self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
-            await acompensate(cp, req.thread_id, req.checkpoint_ns, req.tools)
+            await acompensate(
+                cp,
+                req.thread_id,
+                req.checkpoint_ns,
+                req.tools,
+                leases=await self.alease_backend(),
+                lease_ttl=self.lease_ttl,
+            )
             return None
         if isinstance(req, Flush):
             if pending:

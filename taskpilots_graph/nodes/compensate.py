@@ -1,107 +1,625 @@
-"""The compensate node: undo the run's committed side effects, newest first.
+"""Compensation: undo committed side effects through the ledger, newest first.
 
-Each committed effect of the thread whose tool declares ``compensate=`` is undone by calling
-``compensate(key, args, result)``; the entry then becomes ``compensated`` in the same durable
-write as its ``compensated`` event. A crash in between runs that compensator again on
-resume (compensators should be idempotent by key); an entry already ``compensated`` is never
-undone twice. Effects without a compensator are listed in the event, for a person.
+Undoing is a side effect too, so it gets the ledger's guarantee: each undo is written as an
+intent under its own key ``undo:<effect key>`` before the compensator runs and committed
+after, and only then is the effect's entry marked ``compensated`` (rules in
+:mod:`taskpilots_graph.nodes._undo`). A process killed inside a compensator leaves the
+undo ``intended``; whoever compensates next asks ``side_effect(compensate_precheck=...)``
+(``Done``: recorded, not run again; ``NotDone``: run again under the same undo key) or,
+without an answer, stops for a person with :class:`~taskpilots_graph.ledger.
+CompensationUncertain` named in the takeover request. Compensated exactly once holds for a
+non-idempotent compensator with an undo pre-check; without one, at most once, then a
+person decides.
+
+One piece of code serves every caller:
+
+* :func:`compensate_effect` / :func:`acompensate_effect`: undo one committed effect (the
+  entry point of the coordinator, which undoes shared work of a failed sub-agent);
+* :func:`compensate_thread` / :func:`acompensate_thread`: every committed effect of a
+  thread whose tool declares ``compensate=``, newest first (``RecoveryMiddleware`` on
+  abandon or ``on_exhausted="compensate"``, and :class:`CompensateNode`);
+* :class:`CompensateNode`: the recovery agent's node after a person abandons the run.
+
+Inside a graph (``ask=True``) an uncertain undo pauses the run on ``interrupt()`` with a
+:class:`~taskpilots_graph.TakeoverRequest`, answered with ``tp.decide(graph, thread_id,
+tp.Decision(action=...))``: ``retry``, ``skip`` or ``provide_result``. Elsewhere it raises
+:class:`~taskpilots_graph.ledger.CompensationUncertain`; :func:`decide_compensation`
+records the person's answer, and the next call goes on from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from dataclasses import replace
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.config import get_config
+from langgraph.errors import GraphBubbleUp
+from langgraph.types import interrupt
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import prepare_event
+from taskpilots_graph.checkpointers.base import EventRecord
+from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, SideEffectSpec
+from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import run_context
-from taskpilots_graph.nodes.executor import RecoveryExecutor
-from taskpilots_graph.tools import spec_of
+from taskpilots_graph.nodes._locks import CallLocks
+from taskpilots_graph.nodes._protocol import (
+    AwaitOwner,
+    CallContext,
+    ReadEntry,
+    RunPrecheck,
+    WriteEntry,
+    WriteEvent,
+)
+from taskpilots_graph.nodes._undo import (
+    AskPerson,
+    CompensationReport,
+    Replay,
+    RunCompensator,
+    UndoContext,
+    UndoOutcome,
+    decision_write,
+    plan_thread,
+    report_of,
+    undo_effect,
+    undo_key,
+)
+from taskpilots_graph.nodes.executor import RecoveryExecutor, acall_precheck, call_precheck
+from taskpilots_graph.takeover import Decision
+from taskpilots_graph.tools import reset_invocation, set_invocation
 
-__all__ = ["ABANDONED", "CompensateNode"]
+__all__ = [
+    "ABANDONED",
+    "CompensateNode",
+    "CompensationReport",
+    "UndoOutcome",
+    "acompensate_effect",
+    "acompensate_thread",
+    "adecide_compensation",
+    "compensate_effect",
+    "compensate_thread",
+    "decide_compensation",
+]
 
 ABANDONED = "abandoned by a person"
 """The flow reason of a run a person abandoned: compensated, then closed (not failed)."""
 
+_GOAL_CHARS = 300
+
+
+def _task_scope(ask: bool) -> str | None:
+    """The running task's namespace, which scopes its ``interrupt()`` answers."""
+    if not ask:
+        return None
+    try:
+        conf = get_config().get("configurable") or {}
+    except RuntimeError as exc:  # not inside a LangGraph run: nobody can be asked here
+        raise ConfigurationError(
+            "compensation with ask=True must run inside a graph node or tool (it asks a "
+            "person with interrupt()); elsewhere use ask=False and decide_compensation()"
+        ) from exc
+    return str(conf.get("checkpoint_ns") or "")
+
+
+def _context(
+    effect: LedgerEntry,
+    spec: SideEffectSpec,
+    *,
+    thread_id: str | None,
+    checkpoint_ns: str,
+    ask: bool,
+    by: str | None,
+    goal: str,
+    committed: Sequence[Mapping[str, Any]],
+) -> UndoContext:
+    if spec.compensate is None:
+        raise ConfigurationError(f"tool {effect.tool!r} declares no compensate=; nothing undoes it")
+    if effect.status not in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED):
+        raise ConfigurationError(
+            f"only a committed effect can be compensated; {effect.key!r} is {effect.status}"
+        )
+    return UndoContext(
+        effect=effect,
+        spec=spec,
+        thread_id=thread_id or effect.thread_id,
+        checkpoint_ns=checkpoint_ns,
+        task=_task_scope(ask),
+        by=by,
+        goal=goal,
+        committed=tuple(committed),
+    )
+
+
+def _not_sent(exc: Exception) -> Exception:
+    # A mistake of the declaration, raised before anything was sent: never "uncertain".
+    exc.maybe_sent = False  # type: ignore[attr-defined]
+    return exc
+
+
+def _sync_only(answer: Any, tool: str) -> Any:
+    if inspect.isawaitable(answer):
+        close = getattr(answer, "close", None)
+        if callable(close):
+            close()  # never awaited: say so instead of a "never awaited" warning
+        raise _not_sent(
+            ConfigurationError(
+                f"the compensator of {tool!r} is a coroutine function; run the graph with "
+                "ainvoke / astream (or call acompensate_effect)"
+            )
+        )
+    return answer
+
+
+def _person(
+    req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord]
+) -> tuple[Any, BaseException | None]:
+    """Ask (or replay an answer) with ``interrupt()``; where nobody can be asked, the typed
+    error to throw into the generator. An unanswered question pauses the run (raises)."""
+    if ctx.task is None:
+        assert isinstance(req, AskPerson), "answers are replayed only inside a graph"
+        return None, req.error
+    try:
+        return interrupt(req.payload), None
+    except GraphBubbleUp:
+        if isinstance(req, AskPerson):
+            pending.append(req.event)  # the run pauses: the question is on record
+        raise
+
+
+def _drive(
+    cp: RecoveryAPI,
+    ctx: UndoContext,
+    *,
+    backend: Callable[[], LeaseBackend],
+    ttl: float,
+) -> UndoOutcome:
+    """Carry out :func:`~taskpilots_graph.nodes._undo.undo_effect` synchronously."""
+    gen = undo_effect(ctx)
+    call: CallContext = ctx.call
+    compensate = ctx.spec.compensate
+    assert compensate is not None
+    guard = CallLocks(ctx.thread_id, ttl)
+    pending: list[EventRecord] = []
+    value: Any = None
+    thrown: BaseException | None = None
+    try:
+        with contextlib.ExitStack() as held:
+            while True:
+                try:
+                    req = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    outcome: UndoOutcome = stop.value
+                    break
+                value, thrown = None, None
+                if isinstance(req, AskPerson | Replay):
+                    value, thrown = _person(req, ctx, pending)
+                    continue
+                # Outside the try: a lost lease stops before the undo, as in the executor.
+                invocation = (
+                    guard.before_call(req.invocation) if isinstance(req, RunCompensator) else None
+                )
+                try:
+                    if isinstance(req, ReadEntry):
+                        value = cp.ledger_entry(req.key)
+                    elif isinstance(req, AwaitOwner):
+                        value = await_owner(
+                            req, backend=backend(), read=cp.ledger_entry, timeout=ttl
+                        )
+                    elif isinstance(req, WriteEntry):
+                        entry = guard.before_write(req.entry, backend, held)
+                        value = cp.write_ledger(
+                            entry, expect=req.expect, events=[*pending, req.event]
+                        )
+                        pending.clear()
+                    elif isinstance(req, WriteEvent):
+                        pending.append(req.event)
+                    elif isinstance(req, RunPrecheck):
+                        value = call_precheck(call, req)
+                    elif isinstance(req, RunCompensator):
+                        assert invocation is not None
+                        token = set_invocation(invocation)
+                        try:
+                            effect = ctx.effect
+                            answer = compensate(effect.key, dict(effect.args), effect.result)
+                            value = _sync_only(answer, effect.tool)
+                        finally:
+                            reset_invocation(token)
+                    else:  # pragma: no cover - the generator yields nothing else
+                        raise AssertionError(f"unknown request {req!r}")
+                except Exception as exc:  # handed to the protocol, which passes control flow on
+                    thrown = exc
+    except BaseException:
+        cp.append_records(pending, flush=ctx.thread_id)
+        raise
+    if pending:
+        cp.append_records(pending)
+    return outcome
+
+
+async def _adrive(
+    cp: RecoveryAPI,
+    ctx: UndoContext,
+    *,
+    backend: Callable[[], Awaitable[LeaseBackend]],
+    ttl: float,
+) -> UndoOutcome:
+    """Async form of :func:`_drive` (the compensator may be a coroutine function)."""
+    gen = undo_effect(ctx)
+    call: CallContext = ctx.call
+    compensate = ctx.spec.compensate
+    assert compensate is not None
+    guard = CallLocks(ctx.thread_id, ttl)
+    pending: list[EventRecord] = []
+    value: Any = None
+    thrown: BaseException | None = None
+    try:
+        async with contextlib.AsyncExitStack() as held:
+            while True:
+                try:
+                    req = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    outcome: UndoOutcome = stop.value
+                    break
+                value, thrown = None, None
+                if isinstance(req, AskPerson | Replay):
+                    value, thrown = _person(req, ctx, pending)
+                    continue
+                invocation = (
+                    guard.before_call(req.invocation) if isinstance(req, RunCompensator) else None
+                )
+                try:
+                    if isinstance(req, ReadEntry):
+                        value = await cp.aledger_entry(req.key)
+                    elif isinstance(req, AwaitOwner):
+                        value = await aawait_owner(
+                            req, backend=await backend(), read=cp.aledger_entry, timeout=ttl
+                        )
+                    elif isinstance(req, WriteEntry):
+                        entry = await guard.abefore_write(req.entry, backend, held)
+                        value = await cp.awrite_ledger(
+                            entry, expect=req.expect, events=[*pending, req.event]
+                        )
+                        pending.clear()
+                    elif isinstance(req, WriteEvent):
+                        pending.append(req.event)
+                    elif isinstance(req, RunPrecheck):
+                        value = await acall_precheck(call, req)
+                    elif isinstance(req, RunCompensator):
+                        assert invocation is not None
+                        token = set_invocation(invocation)
+                        try:
+                            effect = ctx.effect
+                            value = compensate(effect.key, dict(effect.args), effect.result)
+                            if inspect.isawaitable(value):
+                                value = await value
+                        finally:
+                            reset_invocation(token)
+                    else:  # pragma: no cover - the generator yields nothing else
+                        raise AssertionError(f"unknown request {req!r}")
+                except Exception as exc:
+                    thrown = exc
+    except BaseException:
+        await cp.aappend_records(pending, flush=ctx.thread_id)
+        raise
+    if pending:
+        await cp.aappend_records(pending)
+    return outcome
+
+
+def _backend(cp: RecoveryAPI, leases: LeaseBackend | None) -> Callable[[], LeaseBackend]:
+    return lambda: leases if leases is not None else cp.lease_backend()
+
+
+def _abackend(
+    cp: RecoveryAPI, leases: LeaseBackend | None
+) -> Callable[[], Awaitable[LeaseBackend]]:
+    async def backend() -> LeaseBackend:
+        return leases if leases is not None else await cp.alease_backend()
+
+    return backend
+
+
+def compensate_effect(
+    cp: RecoveryAPI,
+    effect: LedgerEntry,
+    spec: SideEffectSpec,
+    *,
+    thread_id: str | None = None,
+    checkpoint_ns: str = "",
+    by: str | None = None,
+    ask: bool = False,
+    leases: LeaseBackend | None = None,
+    lease_ttl: float = 30.0,
+    goal: str = "",
+    committed: Sequence[Mapping[str, Any]] = (),
+) -> UndoOutcome:
+    """Undo one committed effect through the ledger, exactly once (see the module).
+
+    Safe to call again after any crash, in any process: a committed undo is not run again,
+    an interrupted one is reconciled with ``spec.compensate_precheck``.
+
+    Example:
+        >>> from taskpilots_graph.tools import spec_of
+        >>> entry = cp.ledger_entry(key)  # doctest: +SKIP
+        >>> compensate_effect(cp, entry, spec_of(tool), thread_id=parent, by="coordinator")
+        ... # doctest: +SKIP
+
+    Args:
+        cp: The recovery checkpointer holding the effect's ledger entry.
+        effect: The effect's entry (``committed``; one found ``compensated`` is left).
+        spec: The effect's tool declaration (``tp.spec_of(tool)``), with ``compensate=``.
+        thread_id: The thread whose run performs the undo: its ledger holds the undo entry
+            and its log the undo's events; an intent of it is waited for while that
+            thread's lease is held elsewhere. Default: the effect's thread.
+        checkpoint_ns: Namespace recorded with the events.
+        by: Who undoes (recorded in the ``compensated`` event), e.g. ``"coordinator"``.
+        ask: Inside a graph node or tool: ask a person about an uncertain undo with
+            ``interrupt()`` instead of raising.
+        leases: Lease backend of the thread leases and business locks (default: the
+            checkpointer's own database).
+        lease_ttl: TTL of a business lock taken for the undo, and the longest wait for
+            another runner's live undo intent.
+        goal: The run's goal, shown to the person.
+        committed: Effects still committed (``{"key", "tool"}``), shown to the person.
+
+    Returns:
+        How the undo ended (``undone``, ``already``, or ``left`` by a person).
+
+    Raises:
+        CompensationUncertain: ``ask=False`` and nothing can tell whether the undo
+            happened; answer with :func:`decide_compensation`, then call again.
+        ConfigurationError: The tool declares no compensator, or the effect is not
+            committed.
+        LedgerConflict: Another run moved the undo first; nothing ran here.
+        EffectInProgress: Another live runner is performing this undo.
+        Exception: The compensator's own error when it failed before acting (the undo can
+            run again later).
+    """
+    ctx = _context(
+        effect,
+        spec,
+        thread_id=thread_id,
+        checkpoint_ns=checkpoint_ns,
+        ask=ask,
+        by=by,
+        goal=goal,
+        committed=committed,
+    )
+    return _drive(cp, ctx, backend=_backend(cp, leases), ttl=lease_ttl)
+
+
+async def acompensate_effect(
+    cp: RecoveryAPI,
+    effect: LedgerEntry,
+    spec: SideEffectSpec,
+    *,
+    thread_id: str | None = None,
+    checkpoint_ns: str = "",
+    by: str | None = None,
+    ask: bool = False,
+    leases: LeaseBackend | None = None,
+    lease_ttl: float = 30.0,
+    goal: str = "",
+    committed: Sequence[Mapping[str, Any]] = (),
+) -> UndoOutcome:
+    """Async form of :func:`compensate_effect` (the compensator and the undo pre-check may
+    be coroutine functions)."""
+    ctx = _context(
+        effect,
+        spec,
+        thread_id=thread_id,
+        checkpoint_ns=checkpoint_ns,
+        ask=ask,
+        by=by,
+        goal=goal,
+        committed=committed,
+    )
+    return await _adrive(cp, ctx, backend=_abackend(cp, leases), ttl=lease_ttl)
+
+
+def compensate_thread(
+    cp: RecoveryAPI,
+    thread_id: str,
+    tools: Mapping[str, BaseTool],
+    *,
+    checkpoint_ns: str = "",
+    ask: bool = False,
+    by: str | None = None,
+    leases: LeaseBackend | None = None,
+    lease_ttl: float = 30.0,
+    goal: str = "",
+) -> CompensationReport:
+    """Undo the thread's committed effects whose tool declares ``compensate=``, newest
+    first, each through :func:`compensate_effect`; the keys of those without a compensator
+    are logged in one ``compensated`` event (``without_compensator``), for a person.
+
+    Stops at the first undo of unknown outcome (a person decides before older effects are
+    undone). Arguments as for :func:`compensate_effect`; ``tools`` by name.
+    """
+    todo, missing, committed = plan_thread(cp.ledger(thread_id), tools)
+    outcomes = []
+    for entry, spec in todo:
+        outcomes.append(
+            compensate_effect(
+                cp,
+                entry,
+                spec,
+                thread_id=thread_id,
+                checkpoint_ns=checkpoint_ns,
+                by=by,
+                ask=ask,
+                leases=leases,
+                lease_ttl=lease_ttl,
+                goal=goal,
+                committed=committed,
+            )
+        )
+    if missing:
+        cp.append_event(
+            thread_id,
+            EventKind.COMPENSATED,
+            {"without_compensator": missing},
+            checkpoint_ns=checkpoint_ns,
+        )
+    return report_of(outcomes, missing)
+
+
+async def acompensate_thread(
+    cp: RecoveryAPI,
+    thread_id: str,
+    tools: Mapping[str, BaseTool],
+    *,
+    checkpoint_ns: str = "",
+    ask: bool = False,
+    by: str | None = None,
+    leases: LeaseBackend | None = None,
+    lease_ttl: float = 30.0,
+    goal: str = "",
+) -> CompensationReport:
+    """Async form of :func:`compensate_thread`."""
+    todo, missing, committed = plan_thread(await cp.aledger(thread_id), tools)
+    outcomes = []
+    for entry, spec in todo:
+        outcomes.append(
+            await acompensate_effect(
+                cp,
+                entry,
+                spec,
+                thread_id=thread_id,
+                checkpoint_ns=checkpoint_ns,
+                by=by,
+                ask=ask,
+                leases=leases,
+                lease_ttl=lease_ttl,
+                goal=goal,
+                committed=committed,
+            )
+        )
+    if missing:
+        await cp.aappend_event(
+            thread_id,
+            EventKind.COMPENSATED,
+            {"without_compensator": missing},
+            checkpoint_ns=checkpoint_ns,
+        )
+    return report_of(outcomes, missing)
+
+
+def decide_compensation(
+    cp: RecoveryAPI,
+    effect_key: str,
+    decision: Decision | Mapping[str, Any] | str,
+    *,
+    checkpoint_ns: str = "",
+) -> LedgerEntry:
+    """Record a person's answer to an uncertain undo raised outside a graph.
+
+    ``retry`` releases the undo for one more run of the compensator, ``skip`` leaves the
+    effect in place, ``provide_result`` records that the undo happened (manual proof).
+    Call :func:`compensate_effect` again afterwards to go on (for ``provide_result`` it
+    marks the effect compensated without running anything).
+
+    Args:
+        cp: The recovery checkpointer.
+        effect_key: The ledger key of the effect whose undo is uncertain
+            (``CompensationUncertain.effect_key``).
+        decision: A ``tp.Decision``, a dict or an action name.
+        checkpoint_ns: Namespace recorded with the ``decision_recorded`` event.
+
+    Returns:
+        The undo's ledger entry after the decision.
+
+    Raises:
+        InvalidDecision: The decision does not validate, is not retry / skip /
+            provide_result, or the undo is not uncertain (nothing waits on a person).
+        LedgerConflict: Another run moved the undo first; nothing was written.
+    """
+    undo = cp.ledger_entry(undo_key(effect_key))
+    before, moved, event = decision_write(
+        cp.ledger_entry(effect_key), undo, effect_key, decision, checkpoint_ns
+    )
+    cp.write_ledger(moved, expect=(before.status, before.attempt), events=[event])
+    return moved
+
+
+async def adecide_compensation(
+    cp: RecoveryAPI,
+    effect_key: str,
+    decision: Decision | Mapping[str, Any] | str,
+    *,
+    checkpoint_ns: str = "",
+) -> LedgerEntry:
+    """Async form of :func:`decide_compensation`."""
+    undo = await cp.aledger_entry(undo_key(effect_key))
+    before, moved, event = decision_write(
+        await cp.aledger_entry(effect_key), undo, effect_key, decision, checkpoint_ns
+    )
+    await cp.awrite_ledger(moved, expect=(before.status, before.attempt), events=[event])
+    return moved
+
+
+def _goal(state: Mapping[str, Any]) -> str:
+    messages = state.get("messages") or []
+    human = next((m for m in reversed(messages) if isinstance(m, HumanMessage)), None)
+    return str(human.content)[:_GOAL_CHARS] if human is not None else ""
+
 
 class CompensateNode:
-    """Runs registered compensators for the thread's committed effects in reverse order."""
+    """Undoes the thread's committed effects newest first, each through the ledger.
+
+    An undo of unknown outcome pauses the run on a takeover naming it (``undo:<key>``);
+    the node runs again from its first line once a person answers, and every undo already
+    committed is recognised from the ledger, never repeated.
+    """
 
     def __init__(self, executor: RecoveryExecutor, *, checkpointer: RecoveryAPI) -> None:
         self.executor = executor
         self.checkpointer = checkpointer
 
-    def _compensator(self, entry: LedgerEntry) -> Any:
-        tool = self.executor.tools.get(entry.tool)
-        spec = spec_of(tool) if tool is not None else None
-        return spec.compensate if spec is not None else None
-
-    def _done(self, entry: LedgerEntry, ns: str) -> tuple[LedgerEntry, Any]:
-        undone = replace(entry, status=LedgerStatus.COMPENSATED, updated_at=datetime.now(UTC))
-        event = prepare_event(
-            entry.thread_id,
-            EventKind.COMPENSATED,
-            {"tool": entry.tool, "key": entry.key},
-            checkpoint_id=None,
-            checkpoint_ns=ns,
-        )
-        return undone, event
-
     @staticmethod
-    def _summary(state: dict[str, Any], missing: list[str]) -> dict[str, Any]:
+    def _summary(state: Mapping[str, Any], report: CompensationReport) -> dict[str, Any]:
         reason = (state.get("flow") or {}).get("reason") or "failed"
         stage = "closed" if reason == ABANDONED else "failed"
-        note = f"; not undone (no compensator): {', '.join(missing)}" if missing else ""
+        note = ""
+        if report.missing:
+            note += f"; not undone (no compensator): {', '.join(report.missing)}"
+        if report.left:
+            note += f"; left in place by a person: {', '.join(report.left)}"
         return {"flow": {"stage": stage, "reason": reason + note}}
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate synchronously."""
         ctx = run_context(config)
-        missing = []
-        for entry in reversed(self.checkpointer.ledger(ctx.thread_id)):
-            if entry.status is not LedgerStatus.COMMITTED:
-                continue
-            compensate = self._compensator(entry)
-            if compensate is None:
-                missing.append(entry.key)
-                continue
-            compensate(entry.key, dict(entry.args), entry.result)
-            undone, event = self._done(entry, ctx.graph_ns)
-            self.checkpointer.write_ledger(
-                undone, expect=(LedgerStatus.COMMITTED, entry.attempt), events=[event]
-            )
-        if missing:
-            self.checkpointer.append_event(
-                ctx.thread_id, EventKind.COMPENSATED, {"without_compensator": missing}
-            )
-        return self._summary(state, missing)
+        report = compensate_thread(
+            self.checkpointer,
+            ctx.thread_id,
+            self.executor.tools,
+            checkpoint_ns=ctx.graph_ns,
+            ask=True,
+            leases=self.executor.leases,
+            lease_ttl=self.executor.lease_ttl,
+            goal=_goal(state),
+        )
+        return self._summary(state, report)
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate asynchronously."""
         ctx = run_context(config)
-        missing = []
-        for entry in reversed(await self.checkpointer.aledger(ctx.thread_id)):
-            if entry.status is not LedgerStatus.COMMITTED:
-                continue
-            compensate = self._compensator(entry)
-            if compensate is None:
-                missing.append(entry.key)
-                continue
-            answer = compensate(entry.key, dict(entry.args), entry.result)
-            if inspect.isawaitable(answer):
-                await answer
-            undone, event = self._done(entry, ctx.graph_ns)
-            await self.checkpointer.awrite_ledger(
-                undone, expect=(LedgerStatus.COMMITTED, entry.attempt), events=[event]
-            )
-        if missing:
-            await self.checkpointer.aappend_event(
-                ctx.thread_id, EventKind.COMPENSATED, {"without_compensator": missing}
-            )
-        return self._summary(state, missing)
+        report = await acompensate_thread(
+            self.checkpointer,
+            ctx.thread_id,
+            self.executor.tools,
+            checkpoint_ns=ctx.graph_ns,
+            ask=True,
+            leases=self.executor.leases,
+            lease_ttl=self.executor.lease_ttl,
+            goal=_goal(state),
+        )
+        return self._summary(state, report)

@@ -99,7 +99,7 @@ from taskpilots_graph.tools import (
     set_invocation,
     spec_of,
 )
-from taskpilots_graph.window import MemoryWindow, ObservationPolicy, plan_trim
+from taskpilots_graph.window import ObservationPolicy
 
 __all__ = [
     "RecoveryExecutor",
@@ -189,9 +189,9 @@ class RecoveryExecutor:
             business lock held elsewhere, or for another runner's live intent.
         observations: How results enter the state: large ones become an artifact plus a
             summary (``None``: always whole).
-        memory_window: How many model turns the state keeps whole; older ones leave the
-            state (the event log keeps them) and remain as one line each in ``memory``.
-            ``None`` keeps everything.
+        memory_window: Removed: the state keeps every message, and the context budget is
+            the think node's (``ThinkNode(memory_window=...)``); anything but ``None``
+            raises ``ConfigurationError``.
         record_all_decisions: Record every model decision before acting on it, not only
             those that drive side effects while the checkpoint may not be durable. Needed
             when checkpoints are skipped (the ``milestones`` density): a replayed step then
@@ -208,7 +208,7 @@ class RecoveryExecutor:
         leases: LeaseBackend | None = None,
         lease_ttl: float = 30.0,
         observations: ObservationPolicy | None = None,
-        memory_window: MemoryWindow | None = None,
+        memory_window: None = None,
         record_all_decisions: bool = False,
     ) -> None:
         if not isinstance(checkpointer, RecoveryAPI):
@@ -226,14 +226,15 @@ class RecoveryExecutor:
             raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
         self.leases = leases
         self.lease_ttl = float(lease_ttl)
-        for name, value, kind in (
-            ("observations", observations, ObservationPolicy),
-            ("memory_window", memory_window, MemoryWindow),
-        ):
-            if value is not None and not isinstance(value, kind):
-                raise ConfigurationError(f"{name} must be a {kind.__name__} or None")
+        if observations is not None and not isinstance(observations, ObservationPolicy):
+            raise ConfigurationError("observations must be an ObservationPolicy or None")
+        if memory_window is not None:
+            raise ConfigurationError(
+                "RecoveryExecutor(memory_window=...) was removed: the state keeps every "
+                "message; give the context budget to the model's node instead, "
+                "ThinkNode(memory_window=MemoryWindow(max_tokens=N))"
+            )
         self.observations = observations
-        self.memory_window = memory_window
         self.record_all_decisions = bool(record_all_decisions)
 
     def policy(self, tool: str) -> ToolPolicy:
@@ -470,17 +471,6 @@ class RecoveryExecutor:
             )
         )
         update: dict[str, Any] = {"messages": messages, "steps": records}
-        if self.memory_window is not None and messages:
-            trim = plan_trim(
-                [*state["messages"], *messages],
-                state.get("steps") or {},
-                state.get("memory"),
-                self.memory_window,
-            )
-            if trim is not None:
-                messages += trim.messages
-                records.update(dict.fromkeys(trim.steps))
-                update["memory"] = trim.memory
         if committed or signatures:
             flow: dict[str, Any] = {}
             if committed:

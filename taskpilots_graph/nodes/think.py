@@ -60,7 +60,13 @@ from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
 from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
 from taskpilots_graph.prompts.templates import Language
-from taskpilots_graph.window import decisions_this_turn, model_input
+from taskpilots_graph.window import (
+    MemoryWindow,
+    TokenCounter,
+    decisions_this_turn,
+    model_input,
+    model_token_counter,
+)
 
 __all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "resumed_config"]
 
@@ -125,7 +131,8 @@ def _bind(model: Model, tools: Sequence[BaseTool]) -> Runnable[LanguageModelInpu
 
 
 def _budget_used(state: Mapping[str, Any]) -> int:
-    # Counted from the conversation and the window's memory (decisions folded out of view),
+    # Counted from the conversation and the memory channel (decisions an earlier version
+    # folded out of the state),
     # less what was spent before a person's last decision in this user turn.
     user, used = decisions_this_turn(state["messages"], state.get("memory"))
     flow = state.get("flow") or {}
@@ -147,6 +154,10 @@ class ThinkNode:
         resume_context: How resumed runs are re-anchored.
         milestones: Business milestones by name: predicates of the state, checked before
             each decision; the checkpoint where one first holds is a ``rewind`` target.
+        memory_window: A context budget (:class:`~taskpilots_graph.window.MemoryWindow`):
+            above it the oldest turns are folded out of what the model sees, counted with
+            the called model's own token counter where it has one. ``None`` (default): the
+            model sees the whole conversation.
     """
 
     def __init__(
@@ -160,11 +171,20 @@ class ThinkNode:
         max_steps: int = 50,
         resume_context: ResumeContext | None = None,
         milestones: Mapping[str, Callable[[Mapping[str, Any]], bool]] | None = None,
+        memory_window: MemoryWindow | None = None,
     ) -> None:
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ConfigurationError(f"max_steps must be an int ≥ 1, got {max_steps!r}")
+        if memory_window is not None and not isinstance(memory_window, MemoryWindow):
+            raise ConfigurationError("memory_window must be a MemoryWindow or None")
         self.policy = model_policy or ModelPolicy()
-        self.models = [_bind(m, tools) for m in (model, *self.policy.fallbacks)]
+        raw = (model, *self.policy.fallbacks)
+        self.models = [_bind(m, tools) for m in raw]
+        self.memory_window = memory_window
+        # Each model is measured with its own counter: a fallback may tokenize differently.
+        self.token_counters: list[TokenCounter | None] = [
+            model_token_counter(m, tools) if memory_window is not None else None for m in raw
+        ]
         self.checkpointer = checkpointer
         self.prompt = prompt
         self.max_steps = max_steps
@@ -172,11 +192,20 @@ class ThinkNode:
         self.milestones = dict(milestones or {})
 
     def _input(
-        self, state: Mapping[str, Any], messages: Sequence[BaseMessage]
+        self, state: Mapping[str, Any], messages: Sequence[BaseMessage], index: int
     ) -> list[BaseMessage]:
         # Whatever the state holds (new input on a thread stopped mid-call, a window cut),
         # the provider never gets a tool call without its answer: it would reject the body.
-        return valid_conversation(model_input(self.prompt, state.get("memory"), messages))
+        return valid_conversation(
+            model_input(
+                self.prompt,
+                state.get("memory"),
+                messages,
+                self.memory_window,
+                steps=state.get("steps"),
+                count_tokens=self.token_counters[index],
+            )
+        )
 
     @staticmethod
     def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
@@ -375,7 +404,7 @@ class ThinkNode:
         for index, model in enumerate(self.models):
             for attempt in range(1, self.policy.max_attempts + 1):
                 try:
-                    return model.invoke(self._input(state, messages), config)
+                    return model.invoke(self._input(state, messages, index), config)
                 except GraphBubbleUp:
                     raise
                 except Exception as exc:
@@ -437,7 +466,7 @@ class ThinkNode:
         for index, model in enumerate(self.models):
             for attempt in range(1, self.policy.max_attempts + 1):
                 try:
-                    return await model.ainvoke(self._input(state, messages), config)
+                    return await model.ainvoke(self._input(state, messages, index), config)
                 except GraphBubbleUp:
                     raise
                 except Exception as exc:

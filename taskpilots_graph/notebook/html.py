@@ -36,6 +36,7 @@ __all__ = [
     "takeover_html",
     "thread_html",
     "timeline_html",
+    "what_happened",
 ]
 
 _CELL = 160  # characters of a JSON value or message shown in one table cell
@@ -69,23 +70,35 @@ _COLOURS = {
     "info": "#ffffff",
 }
 
+# Jupyter styles every table it renders: JupyterLab (and nbconvert's HTML export) stripes
+# rows with ``.jp-RenderedHTMLCommon tbody tr:nth-child(odd|even)`` and ``tr:hover``, right-
+# aligns cells and sets the table's text colour from the theme; the classic notebook does the
+# same with ``.rendered_html``. Those selectors are more specific than a scoped class, so
+# the colours that carry meaning (row state, legend badges) and the text colour on them are
+# ``!important`` and painted on the cells too: a row reads the same as its legend badge in
+# every front end, light theme or dark.
 STYLE = (
     "<style>"
     ".tp-view{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;"
-    "margin:4px 0;color:#1f2328}"
+    "margin:4px 0;padding:2px 6px;color:#1f2328;background:#ffffff}"
     ".tp-view h4{margin:6px 0 4px;font-size:14px}"
-    ".tp-view table{border-collapse:collapse;margin:2px 0 8px}"
-    ".tp-view th,.tp-view td{border:1px solid #d0d7de;padding:2px 6px;text-align:left;"
-    "vertical-align:top}"
-    ".tp-view th{background:#f6f8fa}"
+    ".tp-view table{border-collapse:collapse;margin:2px 0 8px;table-layout:auto}"
+    ".tp-view th,.tp-view td{border:1px solid #d0d7de !important;padding:2px 6px;"
+    "text-align:left !important;vertical-align:top;color:#1f2328 !important}"
+    ".tp-view th{background:#f6f8fa !important}"
     ".tp-view code{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;"
     "white-space:pre-wrap;word-break:break-all}"
     ".tp-view .tp-summary{margin:2px 0 6px}"
     ".tp-view .tp-badge{display:inline-block;padding:0 6px;border-radius:8px;"
-    "border:1px solid #8c959f;font-size:12px}"
-    ".tp-view .tp-superseded td{text-decoration:line-through;color:#6e7781}"
-    + "".join(f".tp-view .tp-s-{state}{{background:{c}}}" for state, c in _COLOURS.items())
-    + "</style>"
+    "border:1px solid #8c959f;font-size:12px;color:#1f2328 !important}"
+    ".tp-view tbody tr,.tp-view tbody tr>td{background:#ffffff !important}"
+    + "".join(
+        f".tp-view .tp-s-{state},.tp-view tbody tr.tp-s-{state}>td{{background:{c} !important}}"
+        for state, c in _COLOURS.items()
+    )
+    + ".tp-view tbody tr.tp-superseded>td{text-decoration:line-through;"
+    "color:#6e7781 !important}"
+    "</style>"
 )
 """The inline stylesheet every view starts with (no external CSS, no script)."""
 
@@ -178,6 +191,32 @@ def step_state(kind: EventKind, payload: Mapping[str, Any]) -> str:
     return _STATES.get(kind, "info")
 
 
+_SAME_CLOCK = 86_400.0  # a due time further than this from its log time is on another clock
+
+
+def what_happened(step: ReplayStep) -> str:
+    """The step's one-line summary, with a retry's due time on the timeline's own terms.
+
+    A retry is due at a time of the engine's clock, the log's times are the wall clock's.
+    Shown as the time column shows times (UTC time of day) and as how long after the row
+    it falls, both read against the rows around it. An engine running on a clock of its own
+    (``testing.fake_clock()`` in a drill, a different day altogether) is named as such
+    rather than printed as a date beside today's times.
+    """
+    if step.kind is not EventKind.RETRY_SCHEDULED:
+        return step.summary
+    due = step.payload.get("retry_at")
+    reason = f" ({step.payload['reason']})" if step.payload.get("reason") else ""
+    tool = step.tool or "the tool"
+    if not isinstance(due, int | float) or isinstance(due, bool):
+        return f"retry of {tool} scheduled now{reason}"
+    when = datetime.fromtimestamp(due, UTC)
+    ahead = (when - step.at).total_seconds()
+    if abs(ahead) > _SAME_CLOCK:
+        return f"retry of {tool} scheduled on the engine's own (virtual) clock{reason}"
+    return f"retry of {tool} due {_time(when)}, {ahead:+.3f} s after this row{reason}"
+
+
 def _legend() -> str:
     badges = "".join(f'<span class="tp-badge tp-s-{s}">{s}</span> ' for s in STEP_STATES)
     return f'<div class="tp-legend">{badges}</div>'
@@ -218,7 +257,7 @@ def timeline_html(thread_id: str, steps: Sequence[ReplayStep], *, status: str | 
                     escape(s.kind.value),
                     _text(s.tool),
                     "" if s.attempt is None else str(s.attempt),
-                    _text(s.summary, 240),
+                    _text(what_happened(s), 240),
                 ],
             )
         )

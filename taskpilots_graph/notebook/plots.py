@@ -4,7 +4,8 @@ Every function returns a :class:`matplotlib.figure.Figure` built without ``pyplo
 global figure state, nothing is shown; a notebook displays the returned figure, a script
 calls ``fig.savefig(...)``. Each drawn element carries a ``gid`` (``tp-call``,
 ``tp-failure``, ``tp-wait``, ``tp-takeover``, ``tp-resume``, ``tp-degraded``,
-``tp-uncertain``, ``tp-finished``, ``tp-failures``, ``tp-close``) so it can be found again.
+``tp-uncertain``, ``tp-precheck``, ``tp-finished``, ``tp-failures``, ``tp-close``) so it can
+be found again.
 
 Example:
     >>> from taskpilots_graph.notebook import plots, timeline
@@ -95,6 +96,11 @@ def _calls(steps: Sequence[ReplayStep], t: Mapping[int, float]) -> list[_Call]:
             call.colour = _GREEN if s.kind is EventKind.TOOL_SUCCEEDED else _RED
         elif s.kind is EventKind.EFFECT_UNCERTAIN and call_id in running:
             running.pop(call_id).end = at
+        elif s.kind is EventKind.EFFECT_RECONCILED and call_id in running:
+            # Still open when a pre-check settles it: its process died mid-call, and the
+            # pre-check is the resuming process's (tp.resume settles the ledger before it
+            # logs run_resumed). The bar ends where the dead process stopped logging.
+            running.pop(call_id).end = last
         elif s.kind is EventKind.RUN_RESUMED:
             # A call still open when the run resumes was cut off (a crash): it ends with the
             # last event its process logged.
@@ -147,7 +153,9 @@ def plot_timeline(run: _HasSteps, *, title: str | None = None) -> Figure:
 
     Drawn: each tool attempt (green ok, red failed, grey cut off by a crash), a red ``x``
     per failure, hatched orange retry waits, a ``v`` per degradation to a fallback, a
-    diamond per uncertain effect, purple spans while a person is asked, dashed blue lines
+    diamond per uncertain effect, a labelled star per pre-check that settled an effect of
+    unknown outcome (green ``done``: found, not executed again; orange ``not done``: run
+    again with the same key), purple spans while a person is asked, dashed blue lines
     where the run resumed and a green line where it finished. Superseded events are left
     out.
 
@@ -191,6 +199,24 @@ def plot_timeline(run: _HasSteps, *, title: str | None = None) -> Figure:
         if s.kind in marks and s.tool in lanes:
             gid, marker, colour = marks[s.kind]
             _marker(ax, t[s.index], lanes[str(s.tool)], gid, marker, colour)
+    for s in steps:
+        # The moment a crash recovery turns on: the pre-check asked the service about the
+        # effect the dead process left unrecorded. Labelled, so it reads without the legend.
+        if s.kind is EventKind.EFFECT_RECONCILED and s.tool in lanes:
+            outcome = str(s.payload.get("outcome") or "")
+            colour = _GREEN if outcome == "done" else _ORANGE
+            x, y = t[s.index], lanes[str(s.tool)]
+            _marker(ax, x, y, "tp-precheck", "*", colour)
+            label = f"pre-check: {outcome.replace('_', ' ')}" if outcome else "pre-check"
+            ax.annotate(
+                label,
+                (x, y),
+                xytext=(6, 8),
+                textcoords="offset points",
+                color=colour,
+                fontsize="small",
+                fontweight="bold",
+            )
     for start, end in _spans(steps, t, EventKind.TAKEOVER_REQUESTED, {EventKind.DECISION_RECORDED}):
         ax.axvspan(start, max(end, start + thin), color=_PURPLE, alpha=0.18).set_gid("tp-takeover")
     for s in steps:
@@ -212,6 +238,7 @@ def plot_timeline(run: _HasSteps, *, title: str | None = None) -> Figure:
             Patch(color=_RED, label="call failed"),
             Patch(color=_GREY, label="call cut off"),
             Patch(facecolor="none", edgecolor=_ORANGE, hatch="///", label="retry wait"),
+            Line2D([], [], color=_GREEN, marker="*", linestyle="none", label="pre-check"),
             Patch(color=_PURPLE, alpha=0.18, label="person asked"),
             Line2D([], [], color=_BLUE, linestyle="--", label="resumed"),
         ],

@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -59,7 +59,8 @@ class Timeline:
             f"{self.count(EventKind.TAKEOVER_REQUESTED)} takeovers, "
             f"{self.count(EventKind.RUN_RESUMED)} resumes)"
         )
-        return "\n".join([head, *(s.render() for s in self.steps)])
+        lines = (replace(s, summary=html.what_happened(s)).render() for s in self.steps)
+        return "\n".join([head, *lines])
 
     def _repr_html_(self) -> str:
         return html.timeline_html(self.thread_id, self.steps, status=self.status)

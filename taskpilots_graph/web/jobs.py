@@ -15,10 +15,11 @@ from typing import Any, Literal
 
 from langgraph.pregel import Pregel
 
-from taskpilots_graph.errors import TaskPilotsError, ToolWaiting
+from taskpilots_graph.errors import StaleDecision, TaskPilotsError, ToolWaiting
 from taskpilots_graph.runner import decide
 from taskpilots_graph.takeover import Decision
-from taskpilots_graph.threads import thread_info
+from taskpilots_graph.threads import recovery_api, thread_info
+from taskpilots_graph.web.view import outcome_of
 
 __all__ = ["DecisionJob", "DecisionJobs", "JobStatus"]
 
@@ -34,6 +35,7 @@ class DecisionJob:
         thread_id: The thread decided.
         action: The decision's action.
         decided_by: Who decided.
+        interrupt_id: The takeover it answers.
         status: ``running``, ``done`` or ``failed``.
         outcome: What happened, in words (the thread's status, or the error).
         submitted_at: When the decision was sent.
@@ -43,15 +45,20 @@ class DecisionJob:
     thread_id: str
     action: str
     decided_by: str
+    interrupt_id: str
     status: JobStatus
     outcome: str
     submitted_at: datetime
 
 
+_SHOWN = 300  # characters of the run's last message shown with the outcome
+
+
 def _last_text(result: Any) -> str:
     messages = result.get("messages") if isinstance(result, dict) else None
     content = getattr(messages[-1], "content", None) if messages else None
-    return content if isinstance(content, str) else ""
+    text = content if isinstance(content, str) else ""
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "…"
 
 
 class DecisionJobs:
@@ -71,6 +78,7 @@ class DecisionJobs:
             thread_id=thread_id,
             action=decision.action,
             decided_by=decision.decided_by or "",
+            interrupt_id=decision.interrupt_id or "",
             status="running",
             outcome="the decision is being carried out",
             submitted_at=datetime.now(UTC),
@@ -79,6 +87,19 @@ class DecisionJobs:
             self._jobs[job.job_id] = job
         self._pool.submit(self._run, job, decision)
         return job
+
+    def running_for(self, interrupt_id: str) -> DecisionJob | None:
+        """The job still carrying out an answer to that takeover, if any (a form sent twice
+        before the first answer was applied must not queue a second one)."""
+        with self._lock:
+            return next(
+                (
+                    j
+                    for j in self._jobs.values()
+                    if j.interrupt_id == interrupt_id and j.status == "running"
+                ),
+                None,
+            )
 
     def get(self, job_id: str) -> DecisionJob | None:
         """The job with that id, if this process ran it."""
@@ -102,17 +123,27 @@ class DecisionJobs:
             when = datetime.fromtimestamp(waiting.retry_at, UTC).isoformat(timespec="seconds")
             self._finish(job, "done", f"the run waits for a tool until {when}")
             return
+        except StaleDecision as exc:
+            self._finish(job, "failed", f"refused, nothing changed: {exc}")
+            return
         except TaskPilotsError as exc:
             self._finish(job, "failed", str(exc))
             return
         except Exception as exc:  # the run itself failed: show it rather than lose it
             self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
             return
-        status = thread_info(self.checkpointer, job.thread_id).status
+        cp = recovery_api(self.checkpointer)
+        info = thread_info(cp, job.thread_id)
+        outcome = outcome_of(info, cp.events(job.thread_id), cp.ledger(job.thread_id))
+        words = f"the thread is now {outcome.label}"
+        if outcome.not_undone:
+            left = ", ".join(f"{tool} ({key})" for tool, key in outcome.not_undone)
+            words += f"; not undone (no compensator): {left}"
+        if outcome.uncertain:
+            maybe = ", ".join(f"{tool} ({key})" for tool, key in outcome.uncertain)
+            words += f"; may have happened, not undone: {maybe}"
         last = _last_text(result)
-        self._finish(
-            job, "done", f"the thread is now {status}" + (f"; last message: {last}" if last else "")
-        )
+        self._finish(job, "done", words + (f"; last message: {last}" if last else ""))
 
     def close(self) -> None:
         """Wait for the running decision, then stop the worker."""

@@ -5,8 +5,10 @@
 * **Access token** (when set): every request carries it, as the ``tp_token`` cookie (set
   after one visit with ``?token=...``) or an ``Authorization: Bearer`` header.
 * **CSRF**: every POST carries a form field ``csrf`` equal to an HMAC, under a per-process
-  secret, of the browser's ``tp_csrf`` cookie; anything else is refused with 403 before a
-  decision is parsed. A cross-site page can neither read the token nor set the cookie.
+  secret, of the browser's ``tp_csrf`` cookie *and the takeover the form answers* (its
+  interrupt id); anything else is refused with 403 before a decision is parsed. A
+  cross-site page can neither read the token nor set the cookie, and a token cannot be
+  moved to another takeover: a form answers the takeover it was rendered for or nothing.
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ class CsrfGuard:
         """A fresh random value for the browser's ``tp_csrf`` cookie."""
         return secrets.token_urlsafe(32)
 
-    def token_for(self, cookie: str) -> str:
-        """The form token that goes with ``cookie``."""
-        return hmac.new(self._secret, cookie.encode(), hashlib.sha256).hexdigest()
+    def token_for(self, cookie: str, scope: str) -> str:
+        """The form token that goes with ``cookie`` for the takeover ``scope``."""
+        message = f"{len(cookie)}:{cookie}|{scope}".encode()  # unambiguous concatenation
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
-    def valid(self, cookie: str | None, token: str | None) -> bool:
-        """Whether a POST's ``token`` matches its ``cookie``."""
-        if not cookie or not token:
+    def valid(self, cookie: str | None, token: str | None, scope: str | None) -> bool:
+        """Whether a POST's ``token`` matches its ``cookie`` and the takeover ``scope``."""
+        if not cookie or not token or not scope:
             return False
-        return same_token(token, self.token_for(cookie))
+        return same_token(token, self.token_for(cookie, scope))
