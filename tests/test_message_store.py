@@ -886,3 +886,42 @@ def cp_raw_value(cp: RecoveryCheckpointer, cfg: RunnableConfig, channel: str) ->
     tup = cp.inner.get_tuple(cfg)
     assert tup is not None
     return tup.checkpoint["channel_values"][channel]
+
+
+def test_message_rows_skip_their_fsync_only_in_wal_mode(tmp_path: Path) -> None:
+    """Rows are committed without an fsync in WAL mode (the checkpoint's synced commit right
+    after makes them durable with it); the connection's own level is restored at once, and
+    outside WAL mode nothing changes."""
+    from taskpilots_graph.checkpointers import sqlite as sqlite_store
+
+    wal = sqlite3.connect(tmp_path / "wal.db")
+    wal.execute("PRAGMA journal_mode=WAL")
+    wal.execute("PRAGMA synchronous=FULL")
+    assert sqlite_store._no_fsync(wal) == 2
+    assert wal.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL for this commit
+    rollback = sqlite3.connect(tmp_path / "rollback.db")
+    rollback.execute("PRAGMA synchronous=FULL")
+    assert sqlite_store._no_fsync(rollback) is None
+    assert rollback.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+    with RecoveryCheckpointer.from_conn_string(f"sqlite:///{tmp_path / 'runs.db'}") as cp:
+        cp.setup()
+        conn = cp.inner.conn
+        before = conn.execute("PRAGMA synchronous").fetchone()[0]
+        build(cp).invoke(ask(5), config("f-1"), durability="sync")
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == before
+        assert message_rows(cp, "f-1")[0] == 1 + 2 * 5 + 1
+
+
+async def test_async_message_rows_restore_the_level(tmp_path: Path) -> None:
+    async with AsyncRecoveryCheckpointer.from_conn_string(
+        f"sqlite:///{tmp_path / 'runs.db'}"
+    ) as cp:
+        await cp.setup()
+        conn = cp.inner.conn
+        async with conn.execute("PRAGMA synchronous") as cur:
+            before = (await cur.fetchone())[0]
+        await build(cp).ainvoke(ask(5), config("f-2"), durability="sync")
+        async with conn.execute("PRAGMA synchronous") as cur:
+            assert (await cur.fetchone())[0] == before
+        assert len((await build(cp).aget_state(config("f-2"))).values["messages"]) == 12

@@ -166,6 +166,26 @@ _ARTIFACTS = sql.ARTIFACTS[_D]
 _MESSAGES = sql.MESSAGES[_D]
 
 
+_JOURNAL_MODE: Final = "PRAGMA journal_mode"
+_SYNCHRONOUS: Final = "PRAGMA synchronous"
+
+
+def _no_fsync(conn: sqlite3.Connection) -> int | None:
+    """Let the next commit skip its fsync where that is safe; the level to restore after.
+
+    Message rows are committed just before the checkpoint that refers to them, and that
+    checkpoint's commit syncs. In WAL mode the log is one append-only file, so its sync
+    makes every earlier commit durable too: a crash can lose the rows only together with
+    the checkpoint, never leave one pointing at missing rows. Outside WAL mode (or inside
+    an open transaction, where the level cannot change) nothing changes (``None``).
+    """
+    if conn.in_transaction or conn.execute(_JOURNAL_MODE).fetchone()[0] != "wal":
+        return None
+    level = int(conn.execute(_SYNCHRONOUS).fetchone()[0])
+    conn.execute(f"{_SYNCHRONOUS} = NORMAL")
+    return level
+
+
 def _message_writes(rows: MessageRows) -> list[tuple[str, list[tuple[Any, ...]]]]:
     """The inserts of :meth:`SqliteStore.messages_write`, in order, with their rows."""
     t = rows.thread_id
@@ -229,10 +249,11 @@ class SqliteStore:
         self.is_setup = False
 
     @contextmanager
-    def _cursor(self, operation: str) -> Iterator[sqlite3.Cursor]:
+    def _cursor(self, operation: str, *, fsync: bool = True) -> Iterator[sqlite3.Cursor]:
         with self.lock, mapped_errors(operation):
             if not self.is_setup:
                 self._migrate()
+            level = None if fsync else _no_fsync(self.conn)
             cur = self.conn.cursor()
             try:
                 yield cur
@@ -242,6 +263,8 @@ class SqliteStore:
                 raise
             finally:
                 cur.close()
+                if level is not None:
+                    self.conn.execute(f"{_SYNCHRONOUS} = {level}")
 
     def _migrate(self) -> None:
         conn = self.conn
@@ -293,7 +316,7 @@ class SqliteStore:
         saver commits its own): a crash in between leaves unreferenced rows, never a
         checkpoint that refers to missing ones.
         """
-        with self._cursor("messages_write") as cur:
+        with self._cursor("messages_write", fsync=False) as cur:
             for statement, params in _message_writes(rows):
                 if params:
                     cur.executemany(statement, params)
@@ -448,10 +471,19 @@ class AsyncSqliteStore:
         return rows_to_events(rows)
 
     @asynccontextmanager
-    async def _transaction(self, operation: str) -> AsyncIterator[Any]:
+    async def _transaction(self, operation: str, *, fsync: bool = True) -> AsyncIterator[Any]:
         async with self.lock:
             with mapped_errors(operation):
                 await self._ready()
+            level = None
+            if not fsync and not self.conn.in_transaction:
+                with mapped_errors(operation):
+                    async with self.conn.execute(_JOURNAL_MODE) as cur:
+                        wal = (await cur.fetchone())[0] == "wal"
+                    if wal:
+                        async with self.conn.execute(_SYNCHRONOUS) as cur:
+                            level = int((await cur.fetchone())[0])
+                        await self.conn.execute(f"{_SYNCHRONOUS} = NORMAL")
             try:
                 yield self.conn
                 with mapped_errors(operation):
@@ -462,6 +494,9 @@ class AsyncSqliteStore:
                 if typed is None:
                     raise
                 raise typed from exc
+            finally:
+                if level is not None:
+                    await self.conn.execute(f"{_SYNCHRONOUS} = {level}")
 
     async def delete_thread(self, thread_id: str) -> None:
         async with self._transaction("delete_thread") as conn:
@@ -470,7 +505,7 @@ class AsyncSqliteStore:
 
     async def messages_write(self, rows: MessageRows) -> None:
         """Async twin of :meth:`SqliteStore.messages_write`."""
-        async with self._transaction("messages_write") as conn:
+        async with self._transaction("messages_write", fsync=False) as conn:
             for statement, params in _message_writes(rows):
                 if params:
                     await conn.executemany(statement, params)
