@@ -13,7 +13,7 @@ from operator import is_
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 
-__all__ = ["NO_ANSWER", "close_dangling", "valid_conversation"]
+__all__ = ["NO_ANSWER", "close_dangling", "grew_from", "valid_conversation"]
 
 NO_ANSWER = "Error: no answer was recorded for this call; it may not have run."
 """What the model reads for a tool call found without an answer (see
@@ -70,6 +70,16 @@ over a run instead of quadratic. Shared by every thread of the process; replacin
 is atomic, and a conversation that does not start with it is checked from its start."""
 
 
+def grew_from(known: Sequence[BaseMessage], messages: Sequence[BaseMessage]) -> bool:
+    """Whether ``messages`` starts with exactly the message objects of ``known``.
+
+    ``add_messages`` keeps earlier messages as the same objects, so a check that remembers
+    the conversation it last saw needs to look at the new tail only (a C-level identity
+    pass, no message is read).
+    """
+    return len(known) <= len(messages) and all(map(is_, known, messages))
+
+
 def _answered(messages: Sequence[BaseMessage]) -> bool:
     """Whether every tool call is answered exactly once before the next message.
 
@@ -79,7 +89,7 @@ def _answered(messages: Sequence[BaseMessage]) -> bool:
     """
     global _valid_prefix
     known = _valid_prefix
-    start = len(known) if len(known) <= len(messages) and all(map(is_, known, messages)) else 0
+    start = len(known) if grew_from(known, messages) else 0
     open_ids: set[str] = set()
     balanced = start  # messages[:balanced] is valid with no call open
     for index in range(start, len(messages)):

@@ -25,7 +25,6 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from operator import is_
 from typing import Any, TypedDict
 
 from langchain_core.language_models import BaseLanguageModel, LanguageModelInput
@@ -45,6 +44,7 @@ from taskpilots_graph.compression import (
     Summarizer,
     structural_summary,
 )
+from taskpilots_graph.conversation import grew_from
 from taskpilots_graph.errors import ConfigurationError
 
 __all__ = [
@@ -374,7 +374,7 @@ def _turn(messages: Sequence[BaseMessage]) -> tuple[int, int]:
     global _turn_memo
     known, known_last, known_count = _turn_memo
     n = len(known)
-    if n and n <= len(messages) and all(map(is_, known, messages)):
+    if n and grew_from(known, messages):
         last = _last_user(messages, n)
         if last < 0:
             last, count = known_last, known_count + _decisions(messages[n:])

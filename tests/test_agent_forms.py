@@ -203,7 +203,28 @@ class Outcome:
     recovery agent ends with its flow stage ``failed`` (its state says why)."""
 
 
-def _run(form: str, scenario: Scenario, cp: tp.RecoveryCheckpointer, thread_id: str) -> Outcome:
+def _send(graph: Any, entry: str, thread_id: str) -> Any:
+    """The user's "go" through one entry point; the thread's values afterwards."""
+    message = {"messages": [("user", "go")]}
+    config: Any = {"configurable": {"thread_id": thread_id}}
+    if entry == "invoke":
+        return graph.invoke(message, config)
+    if entry == "stream":
+        for _ in graph.stream(message, config):
+            pass
+        return graph.get_state(config).values
+    return tp.run(graph, thread_id, message)
+
+
+def _run(
+    form: str,
+    scenario: Scenario,
+    cp: tp.RecoveryCheckpointer,
+    thread_id: str,
+    *,
+    entry: str = "invoke",
+    times: int = 1,
+) -> Outcome:
     calls: dict[str, int] = {}
     tools = scenario.tools(calls)
     model = PlanModel(plan=scenario.plan)
@@ -221,9 +242,8 @@ def _run(form: str, scenario: Scenario, cp: tp.RecoveryCheckpointer, thread_id: 
     failed = False
     with fake_clock():
         try:
-            out = graph.invoke(
-                {"messages": [("user", "go")]}, {"configurable": {"thread_id": thread_id}}
-            )
+            for _ in range(times):  # the same command again: nothing may run twice
+                out = _send(graph, entry, thread_id)
         except Exception as exc:
             failed = form == "middleware" and isinstance(exc, (Jammed, ConnectionError))
             if not failed:
@@ -260,6 +280,44 @@ def test_both_forms_decide_alike(name: str, cp: tp.RecoveryCheckpointer) -> None
     assert middleware.ledger == agent.ledger
     assert middleware.events == agent.events
     assert middleware.failed == agent.failed
+
+
+@pytest.mark.parametrize("entry", ["stream", "tp.run"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "user rule says fatal",
+        "the model repeats a call that keeps failing",
+        "an uncertain refund, then retry",
+        "a side effect, twice in the plan",
+    ],
+)
+def test_both_forms_decide_alike_on_every_entry_point(
+    name: str, entry: str, cp: tp.RecoveryCheckpointer
+) -> None:
+    scenario = SCENARIOS[name]
+    agent = _run("recovery agent", scenario, cp, "entry-agent", entry=entry)
+    middleware = _run("middleware", scenario, cp, "entry-middleware", entry=entry)
+    assert middleware.calls == agent.calls
+    assert middleware.ledger == agent.ledger
+    assert middleware.events == agent.events
+    assert middleware.failed == agent.failed
+
+
+@pytest.mark.parametrize("entry", ["invoke", "stream", "tp.run"])
+def test_the_same_command_twice_performs_the_effect_once_in_both_forms(
+    entry: str, cp: tp.RecoveryCheckpointer
+) -> None:
+    """The model plans the booking again for the repeated command (it reads only its
+    messages); the ledger answers from the recorded result in both forms."""
+    scenario = SCENARIOS["a side effect, twice in the plan"]
+    for form, thread_id in (("recovery agent", "twice-a"), ("middleware", "twice-m")):
+        outcome = _run(form, scenario, cp, thread_id, entry=entry, times=2)
+        assert outcome.calls == {"book_slot": 1}, form
+        assert outcome.ledger == [("book_slot", "committed")], form
+        kinds = [kind for kind, _ in outcome.events]
+        assert kinds.count("tool_invoked") == 1, form
+        assert kinds.count("repeat_caught") == 3, form
 
 
 def test_a_repeated_failure_is_stuck_in_both_forms(cp: tp.RecoveryCheckpointer) -> None:
