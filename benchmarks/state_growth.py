@@ -21,7 +21,11 @@ Each (backend, configuration, steps) runs once, in one process, on a fresh datab
 ``durability="sync"``. Reported: total stored bytes, all tables counted (SQLite: the
 database file after a WAL checkpoint; PostgreSQL: ``pg_total_relation_size`` summed over
 every table of the database, indexes and TOAST included); the median time per step (between
-consecutive tool steps) over the run and over its last 100 steps; the run's wall time.
+consecutive tool steps) over the run and over its last 100 steps, and the same medians of
+the process's CPU time per step (informative only: the targets are on wall time); the run's
+wall time; and the same medians of the time inside the model's ``invoke`` and of langchain's
+part of it (``BaseChatModel.invoke`` converts, normalises and formats the whole conversation
+at every call, in any agent), with how much of the step time's growth they account for.
 
 Targets, marked met / NOT MET for our configurations: <= 25 MB stored at 1,600 steps, and
 step time at the longest run <= 1.2x the step time of the 100-step run. A benchmark, not a
@@ -57,12 +61,13 @@ from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 
 import taskpilots_graph as tp
+from taskpilots_graph.window import MemoryWindow
 
 TARGET_BYTES_AT_1600 = 25 * 1024 * 1024
 TARGET_TIME_RATIO = 1.2
@@ -104,8 +109,33 @@ def make_tool() -> BaseTool:
     return StructuredTool.from_function(fetch_page)
 
 
+MODEL_CALLS: list[tuple[float, float]] = []
+"""``(seconds in the model's invoke, seconds of them in the scripted _generate)`` per model
+call of the current run. The difference is langchain's ``BaseChatModel.invoke`` around a
+model that reads only the last messages: it converts, normalises and formats the whole
+conversation for tracing at every call, so it grows with the conversation in every agent."""
+
+_GENERATED: list[float] = []
+"""Seconds of each scripted ``_generate`` (read back by ``PagingModel.invoke``)."""
+
+
 class PagingModel(BaseChatModel):
     """Calls ``fetch_page`` for step after step, reading only the last observation."""
+
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        started = time.perf_counter()
+        before = len(_GENERATED)
+        message = super().invoke(input, config, stop=stop, **kwargs)
+        own = sum(_GENERATED[before:])
+        MODEL_CALLS.append((time.perf_counter() - started, own))
+        return message
 
     @property
     def _llm_type(self) -> str:
@@ -123,6 +153,12 @@ class PagingModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        started = time.perf_counter()
+        result = self._decide(messages)
+        _GENERATED.append(time.perf_counter() - started)
+        return result
+
+    def _decide(self, messages: list[BaseMessage]) -> ChatResult:
         first = next(m for m in messages if isinstance(m, HumanMessage))
         steps = int(json.loads(str(first.content))["steps"])
         last = next((m for m in reversed(messages) if isinstance(m, ToolMessage)), None)
@@ -170,7 +206,7 @@ def configs(budget: int) -> dict[str, Config]:
         "budget": Config(
             "budget",
             False,
-            {"memory_window": tp.MemoryWindow(max_tokens=budget)},
+            {"memory_window": MemoryWindow(max_tokens=budget)},
             f"create_recovery_agent(memory_window=MemoryWindow(max_tokens={budget}))",
         ),
     }
@@ -178,10 +214,20 @@ def configs(budget: int) -> dict[str, Config]:
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per step of one run: the median over the run and over its last steps."""
+    """Seconds per step of one run: the median over the run and over its last steps; the
+    same medians of the process's CPU time (all threads: less disturbed than the wall time
+    when other work shares the machine, but blind to waits such as fsync), of the time inside
+    the model's ``invoke`` (one call per step), and of that time less the scripted
+    ``_generate`` (langchain's own handling of the input)."""
 
     median: float
     tail: float
+    cpu: float
+    cpu_tail: float
+    model: float
+    model_tail: float
+    langchain: float
+    langchain_tail: float
 
 
 TAIL_STEPS = 100
@@ -194,6 +240,9 @@ def run(graph: Any, steps: int) -> Timing:
         "recursion_limit": 2 * steps + 10,
     }
     stamps: list[float] = []
+    cpu: list[float] = []
+    MODEL_CALLS.clear()
+    _GENERATED.clear()
     for update in graph.stream(
         {"messages": [HumanMessage(json.dumps({"steps": steps}))]},
         config,
@@ -202,11 +251,24 @@ def run(graph: Any, steps: int) -> Timing:
     ):
         if "tools" in update or "act" in update:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
     final = graph.get_state(config).values["messages"][-1]
     if f"read {steps} pages" not in str(final.content) or len(stamps) != steps:
         raise RuntimeError(f"run ended after {len(stamps)} of {steps} steps: {final.content!r}")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return Timing(statistics.median(gaps), statistics.median(gaps[-TAIL_STEPS:]))
+    cpu_gaps = [b - a for a, b in itertools.pairwise(cpu)]
+    calls = [total for total, _ in MODEL_CALLS]
+    langchain = [total - own for total, own in MODEL_CALLS]
+    return Timing(
+        statistics.median(gaps),
+        statistics.median(gaps[-TAIL_STEPS:]),
+        statistics.median(cpu_gaps),
+        statistics.median(cpu_gaps[-TAIL_STEPS:]),
+        statistics.median(calls),
+        statistics.median(calls[-TAIL_STEPS:]),
+        statistics.median(langchain),
+        statistics.median(langchain[-TAIL_STEPS:]),
+    )
 
 
 # --- storage --------------------------------------------------------------------------------
@@ -306,6 +368,10 @@ def postgres_databases(url: str | None, notes: list[str]) -> Iterator[Callable[[
             server.stop()
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
+
+
 def _mb(n: int) -> str:
     return f"{n / 1024 / 1024:.2f} MB"
 
@@ -318,12 +384,13 @@ def report(points: list[Point], chosen: Sequence[Config], notes: list[str]) -> N
     print()
     print(
         f"{'backend':9} {'config':11} {'steps':>6} {'stored':>12} {'median step':>12} "
-        f"{'last-100 step':>14} {'run':>9}"
+        f"{'last-100 step':>14} {'cpu/step':>9} {'cpu last-100':>12} {'run':>9}"
     )
     for p in points:
         print(
             f"{p.backend:9} {p.config:11} {p.steps:>6} {_mb(p.stored):>12} "
-            f"{p.timing.median * 1000:9.2f} ms {p.timing.tail * 1000:11.2f} ms {p.seconds:8.1f}s"
+            f"{p.timing.median * 1000:9.2f} ms {p.timing.tail * 1000:11.2f} ms "
+            f"{p.timing.cpu * 1000:6.2f} ms {p.timing.cpu_tail * 1000:9.2f} ms {p.seconds:8.1f}s"
         )
     print()
     print(
@@ -359,7 +426,8 @@ def report(points: list[Point], chosen: Sequence[Config], notes: list[str]) -> N
                 tail = big.timing.tail / small.timing.tail
                 timing = (
                     f"step time {big.steps} vs {small.steps} steps: {median:.2f}x median, "
-                    f"{tail:.2f}x last-100"
+                    f"{tail:.2f}x last-100 (CPU time: {big.timing.cpu / small.timing.cpu:.2f}x, "
+                    f"{big.timing.cpu_tail / small.timing.cpu_tail:.2f}x)"
                 )
                 if not config.plain:
                     timing += (
@@ -376,6 +444,39 @@ def report(points: list[Point], chosen: Sequence[Config], notes: list[str]) -> N
                     f"{plain[p.steps].stored / p.stored:.1f}x these bytes, its steps take "
                     f"{plain[p.steps].timing.median / p.timing.median:.2f}x the time"
                 )
+    print()
+    print(
+        "Inside the model's invoke (one call per step; the scripted _generate reads only the "
+        "last messages, the rest is langchain's BaseChatModel.invoke handling the whole input):"
+    )
+    for backend in dict.fromkeys(p.backend for p in points):
+        for config in chosen:
+            runs = sorted(
+                (p for p in points if p.backend == backend and p.config == config.name),
+                key=lambda p: p.steps,
+            )
+            if not runs:
+                continue
+            small, big = runs[0], runs[-1]
+            s, b = small.timing, big.timing
+            line = (
+                f"{backend:9} {config.name:11} model call median {_ms(s.model)} -> "
+                f"{_ms(b.model)} (langchain {_ms(s.langchain)} -> {_ms(b.langchain)}), "
+                f"last-100 {_ms(s.model_tail)} -> {_ms(b.model_tail)}"
+            )
+            if len(runs) > 1:
+                growth = (
+                    ("median", b.median - s.median, b.model - s.model),
+                    ("last-100", b.tail - s.tail, b.model_tail - s.model_tail),
+                )
+                for label, step, model in growth:
+                    line += (
+                        f"; {label} step {step * 1000:+.2f} ms, of which the model call "
+                        f"{model * 1000:+.2f} ms and the rest {(step - model) * 1000:+.2f} ms"
+                    )
+                without = (b.median - (b.model - s.model)) / s.median
+                line += f"; median ratio without the model call's growth {without:.2f}x"
+            print(line)
     for note in notes:
         print(f"note: {note}")
 

@@ -15,9 +15,9 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: the process's) and return its exit status."""
-    from taskpilots_graph.cli import run
+    from taskpilots_graph.cli import run_cli
 
-    return run(sys.argv[1:] if argv is None else argv, prog_name="python -m taskpilots_graph")
+    return run_cli(sys.argv[1:] if argv is None else argv, prog_name="python -m taskpilots_graph")
 
 
 if __name__ == "__main__":

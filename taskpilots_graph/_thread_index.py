@@ -1,11 +1,18 @@
-"""Which threads a checkpointer holds, and each one's latest root checkpoint (for supervisors).
+"""Which threads a checkpointer holds, and each one's latest root checkpoint.
 
-A supervisor looks at every thread on every scan; loading every checkpoint to find the
-thread ids (``saver.list(None)``) would read the whole history each time. LangGraph's SQLite
-and PostgreSQL savers keep one row per checkpoint keyed by ``(thread_id, checkpoint_ns,
-checkpoint_id)`` with time-ordered ids, so one grouped query over that key answers "which
-threads, and what is the newest checkpoint of each": the supervisor re-reads a thread's
-state only when that id moved. Other savers fall back to ``list(None)``.
+The one way the package lists a store's threads: :func:`thread_ids` for listings (threads,
+metrics, takeovers, plots), :func:`thread_index` where the latest checkpoint id matters too
+(the supervisor re-reads a thread's state only when that id moved; retention finds idle
+threads).
+
+LangGraph's ``BaseCheckpointSaver`` has no public call that lists thread ids: ``list(None)``
+loads and deserialises every checkpoint of every thread, the whole history, on each call.
+So this module, and no other, reads the savers LangGraph ships below their public API:
+``InMemorySaver.storage`` (a dict by thread), and the ``checkpoints`` table of the SQLite
+and PostgreSQL savers through their ``cursor()`` / ``conn`` / ``lock``. Those savers keep one
+row per checkpoint keyed by ``(thread_id, checkpoint_ns, checkpoint_id)`` with time-ordered
+ids, so one grouped query answers "which threads, and the newest checkpoint of each". Any
+other saver is listed through ``list(None)``.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any, Final
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 
-__all__ = ["athread_index", "thread_index"]
+__all__ = ["athread_ids", "athread_index", "thread_ids", "thread_index"]
 
 # Root namespace only: subgraph checkpoints belong to their parent thread's run.
 _LATEST_SQL: Final = (
@@ -49,8 +56,9 @@ def _memory(saver: InMemorySaver) -> dict[str, str]:
 
 
 def _is(saver: Any, module: str, name: str) -> bool:
-    # Compared by name: the SQLite and PostgreSQL savers are optional imports.
-    return type(saver).__module__.startswith(module) and type(saver).__name__ == name
+    # Compared by name: the SQLite and PostgreSQL savers are optional imports. Subclasses
+    # (the recovery checkpointers' own SQLite savers) keep the table, so they count too.
+    return any(c.__module__.startswith(module) and c.__name__ == name for c in type(saver).__mro__)
 
 
 def thread_index(checkpointer: BaseCheckpointSaver[Any]) -> dict[str, str]:
@@ -69,7 +77,7 @@ def thread_index(checkpointer: BaseCheckpointSaver[Any]) -> dict[str, str]:
         with saver.lock:  # type: ignore[attr-defined]
             return _rows(conn.execute(_LATEST_SQL).fetchall())
     index: dict[str, str] = {}
-    for item in saver.list(None):
+    for item in checkpointer.list(None):
         configurable = item.config["configurable"]
         if configurable.get("checkpoint_ns", "") == "":
             tid, cid = str(configurable["thread_id"]), str(configurable["checkpoint_id"])
@@ -94,9 +102,19 @@ async def athread_index(checkpointer: BaseCheckpointSaver[Any]) -> dict[str, str
         async with saver.lock:  # type: ignore[attr-defined]
             return _rows(await (await conn.execute(_LATEST_SQL)).fetchall())
     index: dict[str, str] = {}
-    async for item in saver.alist(None):
+    async for item in checkpointer.alist(None):
         configurable = item.config["configurable"]
         if configurable.get("checkpoint_ns", "") == "":
             tid, cid = str(configurable["thread_id"]), str(configurable["checkpoint_id"])
             index[tid] = max(index.get(tid, cid), cid)
     return index
+
+
+def thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
+    """Every thread of ``checkpointer`` that has a checkpoint, sorted by id."""
+    return sorted(thread_index(checkpointer))
+
+
+async def athread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
+    """Async form of :func:`thread_ids`."""
+    return sorted(await athread_index(checkpointer))

@@ -17,11 +17,11 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.pregel import Pregel
 
 from taskpilots_graph import unfinished
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.density import CheckpointDensity, Density
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.guard import aguard_thread, guard_thread
-from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode, fail_run
@@ -282,10 +282,11 @@ def create_recovery_agent(
             artifact (``cp.artifact(id)``) and the state, so the model, gets a summary and
             the id. ``None`` keeps every result whole.
         memory_window: A context budget for the model:
-            ``tp.MemoryWindow(max_tokens=N)`` folds the oldest turns (a call with its
-            answer, each as a line naming tool, arguments, outcome and ledger key) out of
-            what the model sees once its input exceeds ``N`` tokens. ``None`` (default):
-            the model sees its whole conversation. The state keeps every message either way.
+            ``taskpilots_graph.window.MemoryWindow(max_tokens=N)`` folds the oldest turns
+            (a call with its answer, each as a line naming tool, arguments, outcome and
+            ledger key) out of what the model sees once its input exceeds ``N`` tokens.
+            ``None`` (default): the model sees its whole conversation. The state keeps
+            every message either way.
         checkpoint_density: ``"every_step"``, ``"tool_boundary"`` or ``"milestones"``: which
             checkpoints are stored (see :mod:`taskpilots_graph.checkpointers.density`).
             No density repeats a side effect on resume.

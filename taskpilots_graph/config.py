@@ -36,8 +36,10 @@ __all__ = [
     "DEFAULT_DB_URL",
     "POSTGRES_URL_ENV",
     "REDIS_URL_ENV",
-    "Settings",
+    "GraphRef",
+    "StorageSettings",
     "aopen_graph",
+    "load_graph",
     "load_graph_factory",
     "open_graph",
 ]
@@ -48,7 +50,7 @@ DEFAULT_DB_URL: Final = "sqlite:///.taskpilots/runs.db"
 
 
 @dataclass(frozen=True, slots=True)
-class Settings:
+class StorageSettings:
     """Where runs and leases live.
 
     Attributes:
@@ -66,7 +68,7 @@ class Settings:
         db: str | None = None,
         leases: str | None = None,
         environ: Mapping[str, str] | None = None,
-    ) -> Settings:
+    ) -> StorageSettings:
         """Settings from explicit URLs, else the environment, else the embedded default.
 
         Raises:
@@ -145,7 +147,7 @@ def _build(ref: str, checkpointer: Any, leases: LeaseBackend) -> Pregel[Any, Any
 
 
 @contextmanager
-def open_graph(ref: str, settings: Settings) -> Iterator[Pregel[Any, Any]]:
+def open_graph(ref: str, settings: StorageSettings) -> Iterator[Pregel[Any, Any]]:
     """Open the checkpointer and lease backend of ``settings`` and build the graph ``ref``.
 
     Both are set up (tables created, idempotently) and closed on exit. A ``ref`` naming a
@@ -164,7 +166,7 @@ def open_graph(ref: str, settings: Settings) -> Iterator[Pregel[Any, Any]]:
 
 
 @asynccontextmanager
-async def aopen_graph(ref: str, settings: Settings) -> AsyncIterator[Pregel[Any, Any]]:
+async def aopen_graph(ref: str, settings: StorageSettings) -> AsyncIterator[Pregel[Any, Any]]:
     """Async form of :func:`open_graph` (an :class:`AsyncRecoveryCheckpointer`)."""
     async with (
         AsyncRecoveryCheckpointer.from_conn_string(settings.db_url) as cp,
@@ -176,3 +178,111 @@ async def aopen_graph(ref: str, settings: Settings) -> AsyncIterator[Pregel[Any,
         if inspect.iscoroutinefunction(target):
             raise ConfigurationError(f"{ref!r} must build the graph synchronously")
         yield _build(ref, cp, leases)
+
+
+# -- a graph for the drills and the CLI ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GraphRef:
+    """A graph named ``module:attribute``, and how to build it on a checkpointer.
+
+    Attributes:
+        spec: The ``module:attribute`` it was loaded from.
+        target: The object found there.
+        takes_checkpointer: ``target`` is a factory called with the checkpointer (as
+            ``checkpointer=`` if it has such a parameter, else positionally); otherwise it
+            is a compiled graph, or a factory without arguments, that brings its own.
+    """
+
+    spec: str
+    target: Any
+    takes_checkpointer: bool
+
+    def build(self, checkpointer: Any = None) -> Any:
+        """The compiled graph; a factory gets ``checkpointer``, which the graph must use.
+
+        Raises:
+            ConfigurationError: The factory returned no compiled graph, or one that does
+                not run on the checkpointer it was given.
+        """
+        if not self.takes_checkpointer:
+            graph = self.target if _is_graph(self.target) else self.target()
+        else:
+            if checkpointer is None:
+                raise ConfigurationError(f"{self.spec} needs a checkpointer")
+            params = _parameters(self.target)
+            if params is None or "checkpointer" not in params:
+                graph = self.target(checkpointer)
+            elif "leases" in params:  # build(*, checkpointer, leases): drills run unleased
+                graph = self.target(checkpointer=checkpointer, leases=None)
+            else:
+                graph = self.target(checkpointer=checkpointer)
+        if not _is_graph(graph):
+            raise ConfigurationError(
+                f"{self.spec} gave {type(graph).__name__}, not a compiled graph; "
+                "return builder.compile(checkpointer=checkpointer)"
+            )
+        if self.takes_checkpointer and graph.checkpointer is not checkpointer:
+            raise ConfigurationError(
+                f"the graph from {self.spec} does not use the checkpointer it was given; "
+                "compile it with checkpointer=<the factory's argument>"
+            )
+        if graph.checkpointer is None or isinstance(graph.checkpointer, bool):
+            raise ConfigurationError(
+                f"the graph from {self.spec} has no checkpointer; make it a factory "
+                "taking the checkpointer: def make_graph(checkpointer): ..."
+            )
+        return graph
+
+
+def _is_graph(value: Any) -> bool:
+    from langgraph.pregel import Pregel
+
+    return isinstance(value, Pregel)
+
+
+def _parameters(func: Any) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_checkpointer(target: Any) -> bool:
+    if _is_graph(target):
+        return False
+    params = _parameters(target)
+    if params is None:
+        return True  # a builtin-like callable: give it what factories get
+    if "checkpointer" in params:
+        return True
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in params.values()
+    )
+
+
+def load_graph(spec: str) -> GraphRef:
+    """Import ``module:attribute`` (dotted attributes allowed) as a :class:`GraphRef`.
+
+    The attribute may be a compiled graph, a factory without arguments, or (preferred, the
+    only form the drills and ``--db`` can use) a factory taking the checkpointer::
+
+        def make_graph(checkpointer):
+            return tp.create_recovery_agent(model, tools, checkpointer=checkpointer)
+
+    Raises:
+        ConfigurationError: The spec is malformed, the module cannot be imported, the
+            attribute is missing, or it is neither a graph nor callable.
+    """
+    target = load_graph_factory(spec)
+    if not _is_graph(target) and not callable(target):
+        raise ConfigurationError(
+            f"{spec} is a {type(target).__name__}; give a compiled graph or a factory "
+            "taking the checkpointer"
+        )
+    if hasattr(target, "compile") and not _is_graph(target):
+        raise ConfigurationError(f"{spec} is an uncompiled StateGraph; compile it in a factory")
+    return GraphRef(spec=spec, target=target, takes_checkpointer=_takes_checkpointer(target))

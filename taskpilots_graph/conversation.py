@@ -9,9 +9,10 @@ sends the same invalid body). Both agent forms pass the model's input through
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 from operator import is_
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage, ToolCall, ToolMessage
 
 __all__ = ["NO_ANSWER", "close_dangling", "grew_from", "valid_conversation"]
 
@@ -62,7 +63,8 @@ def valid_conversation(messages: Sequence[BaseMessage]) -> list[BaseMessage]:
 
 
 _valid_prefix: list[BaseMessage] = []
-"""The longest conversation found valid with no call open at its end, by message identity.
+"""The longest conversation (after its leading system messages) found valid with no call
+open at its end, by message identity.
 
 ``add_messages`` keeps earlier messages as the same objects, so the next model call's
 conversation starts with it, and only the new tail needs checking: the check stays linear
@@ -70,14 +72,19 @@ over a run instead of quadratic. Shared by every thread of the process; replacin
 is atomic, and a conversation that does not start with it is checked from its start."""
 
 
-def grew_from(known: Sequence[BaseMessage], messages: Sequence[BaseMessage]) -> bool:
-    """Whether ``messages`` starts with exactly the message objects of ``known``.
+def grew_from(
+    known: Sequence[BaseMessage], messages: Sequence[BaseMessage], start: int = 0
+) -> bool:
+    """Whether ``messages`` from position ``start`` on begins with exactly the message
+    objects of ``known``.
 
     ``add_messages`` keeps earlier messages as the same objects, so a check that remembers
     the conversation it last saw needs to look at the new tail only (a C-level identity
     pass, no message is read).
     """
-    return len(known) <= len(messages) and all(map(is_, known, messages))
+    return len(known) <= len(messages) - start and all(
+        map(is_, known, islice(messages, start, None))
+    )
 
 
 def _answered(messages: Sequence[BaseMessage]) -> bool:
@@ -88,8 +95,14 @@ def _answered(messages: Sequence[BaseMessage]) -> bool:
     (the repair above runs only when it finds a fault).
     """
     global _valid_prefix
+    # A system message (the prompt) is built anew for every call, so the memo covers the
+    # conversation after the leading ones: they open no call, and would otherwise make
+    # every call re-check the whole conversation.
+    head = 0
+    while head < len(messages) and isinstance(messages[head], SystemMessage):
+        head += 1
     known = _valid_prefix
-    start = len(known) if grew_from(known, messages) else 0
+    start = head + len(known) if grew_from(known, messages, head) else head
     open_ids: set[str] = set()
     balanced = start  # messages[:balanced] is valid with no call open
     for index in range(start, len(messages)):
@@ -110,7 +123,7 @@ def _answered(messages: Sequence[BaseMessage]) -> bool:
         else:
             balanced = index + 1
     if balanced > start:
-        _valid_prefix = list(messages[:balanced])
+        _valid_prefix = list(messages[head:balanced])
     return not open_ids
 
 

@@ -2,8 +2,9 @@
 
 Before production, a graph should show that it recovers locally and never repeats an
 effect. :func:`run_drills` takes a graph given as ``"module:attribute"`` (a factory taking
-the checkpointer, see :func:`load_graph`), runs it once without faults (the *baseline*),
-then once per drill on a fresh thread with a fault injected into one of its tools:
+the checkpointer, see :func:`~taskpilots_graph.config.load_graph`), runs it once without
+faults (the *baseline*), then once per drill on a fresh thread with a fault injected into
+one of its tools:
 
 * **transient**: a tool fails twice with a timeout (a pure tool if there is one), then
   works: only that step may run again;
@@ -37,35 +38,32 @@ and in LangGraph ``ToolNode`` nodes.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool, StructuredTool
 
+from taskpilots_graph.config import GraphRef, load_graph
+from taskpilots_graph.drill_journal import Journal, Wrap, instrumented
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.tool_tables import graph_tools
 
 __all__ = [
     "DEFAULT_INPUT",
     "DrillResult",
     "DrillsReport",
-    "GraphRef",
     "drill_graph",
     "is_drill_graph",
-    "load_graph",
     "run_drills",
 ]
 
@@ -111,256 +109,6 @@ def drill_graph(factory: _Factory) -> _Factory:
 def is_drill_graph(target: Any) -> bool:
     """``target`` was marked with :func:`drill_graph`."""
     return getattr(target, DRILL_MARK, False) is True
-
-
-@dataclass(frozen=True)
-class GraphRef:
-    """A graph named ``module:attribute``, and how to build it on a checkpointer.
-
-    Attributes:
-        spec: The ``module:attribute`` it was loaded from.
-        target: The object found there.
-        takes_checkpointer: ``target`` is a factory called with the checkpointer (as
-            ``checkpointer=`` if it has such a parameter, else positionally); otherwise it
-            is a compiled graph, or a factory without arguments, that brings its own.
-    """
-
-    spec: str
-    target: Any
-    takes_checkpointer: bool
-
-    def build(self, checkpointer: Any = None) -> Any:
-        """The compiled graph; a factory gets ``checkpointer``, which the graph must use.
-
-        Raises:
-            ConfigurationError: The factory returned no compiled graph, or one that does
-                not run on the checkpointer it was given.
-        """
-        if not self.takes_checkpointer:
-            graph = self.target if _is_graph(self.target) else self.target()
-        else:
-            if checkpointer is None:
-                raise ConfigurationError(f"{self.spec} needs a checkpointer")
-            params = _parameters(self.target)
-            if params is None or "checkpointer" not in params:
-                graph = self.target(checkpointer)
-            elif "leases" in params:  # build(*, checkpointer, leases): drills run unleased
-                graph = self.target(checkpointer=checkpointer, leases=None)
-            else:
-                graph = self.target(checkpointer=checkpointer)
-        if not _is_graph(graph):
-            raise ConfigurationError(
-                f"{self.spec} gave {type(graph).__name__}, not a compiled graph; "
-                "return builder.compile(checkpointer=checkpointer)"
-            )
-        if self.takes_checkpointer and graph.checkpointer is not checkpointer:
-            raise ConfigurationError(
-                f"the graph from {self.spec} does not use the checkpointer it was given; "
-                "compile it with checkpointer=<the factory's argument>"
-            )
-        if graph.checkpointer is None or isinstance(graph.checkpointer, bool):
-            raise ConfigurationError(
-                f"the graph from {self.spec} has no checkpointer; make it a factory "
-                "taking the checkpointer: def make_graph(checkpointer): ..."
-            )
-        return graph
-
-
-def _is_graph(value: Any) -> bool:
-    from langgraph.pregel import Pregel
-
-    return isinstance(value, Pregel)
-
-
-def _parameters(func: Any) -> dict[str, inspect.Parameter] | None:
-    try:
-        return dict(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
-def _takes_checkpointer(target: Any) -> bool:
-    if _is_graph(target):
-        return False
-    params = _parameters(target)
-    if params is None:
-        return True  # a builtin-like callable: give it what factories get
-    if "checkpointer" in params:
-        return True
-    return any(
-        p.default is inspect.Parameter.empty
-        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        for p in params.values()
-    )
-
-
-def load_graph(spec: str) -> GraphRef:
-    """Import ``module:attribute`` (dotted attributes allowed) as a :class:`GraphRef`.
-
-    The attribute may be a compiled graph, a factory without arguments, or (preferred, the
-    only form the drills and ``--db`` can use) a factory taking the checkpointer::
-
-        def make_graph(checkpointer):
-            return tp.create_recovery_agent(model, tools, checkpointer=checkpointer)
-
-    Raises:
-        ConfigurationError: The spec is malformed, the module cannot be imported, the
-            attribute is missing, or it is neither a graph nor callable.
-    """
-    from taskpilots_graph.config import load_graph_factory
-
-    target = load_graph_factory(spec)
-    if not _is_graph(target) and not callable(target):
-        raise ConfigurationError(
-            f"{spec} is a {type(target).__name__}; give a compiled graph or a factory "
-            "taking the checkpointer"
-        )
-    if hasattr(target, "compile") and not _is_graph(target):
-        raise ConfigurationError(f"{spec} is an uncompiled StateGraph; compile it in a factory")
-    return GraphRef(spec=spec, target=target, takes_checkpointer=_takes_checkpointer(target))
-
-
-# -- the execution journal ---------------------------------------------------------------------
-
-
-class Journal:
-    """Completed tool executions, in a SQLite file that survives the process that ran them."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = str(path)
-        with closing(self._connect()) as conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS executions (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                "thread_id TEXT NOT NULL, tool TEXT NOT NULL, args TEXT NOT NULL, key TEXT)"
-            )
-
-    def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
-
-    def record(self, thread_id: str, tool: str, args: dict[str, Any], key: str | None) -> None:
-        """Durably note one completed execution (autocommit: done before a SIGKILL)."""
-        with closing(self._connect()) as conn:
-            conn.execute(
-                "INSERT INTO executions (thread_id, tool, args, key) VALUES (?, ?, ?, ?)",
-                (thread_id, tool, _canonical(args), key),
-            )
-
-    def executions(self, thread_id: str) -> list[tuple[str, str, str | None]]:
-        """``(tool, canonical args, key)`` of the thread's executions, in order."""
-        with closing(self._connect()) as conn:
-            rows = conn.execute(
-                "SELECT tool, args, key FROM executions WHERE thread_id = ? ORDER BY seq",
-                (thread_id,),
-            ).fetchall()
-        return [(str(t), str(a), k) for t, a, k in rows]
-
-
-def _canonical(args: Any) -> str:
-    return json.dumps(args, sort_keys=True, default=str, separators=(",", ":"))
-
-
-# -- instrumenting a graph's tools -------------------------------------------------------------
-
-Wrap = Callable[[BaseTool], Any]  # a tool -> its testing.FaultyTool
-
-
-def _tool_tables(graph: Any) -> list[dict[str, BaseTool]]:
-    """The name → tool tables the graph's nodes look tools up in at call time."""
-    from langgraph.prebuilt import ToolNode
-
-    from taskpilots_graph.agent import find_executor
-
-    tables: list[dict[str, BaseTool]] = []
-    executor = find_executor(graph)
-    if executor is not None:
-        tables.append(executor.tools)
-    for spec in getattr(getattr(graph, "builder", None), "nodes", {}).values():
-        if isinstance(spec.runnable, ToolNode):
-            tables.append(spec.runnable.tools_by_name)
-    return tables
-
-
-def graph_tools(graph: Any) -> dict[str, BaseTool]:
-    """Every tool the drills can reach in ``graph``, by name."""
-    return {name: tool for table in _tool_tables(graph) for name, tool in table.items()}
-
-
-def _recording(tool: BaseTool, on_done: Callable[[str, dict[str, Any], str | None], None]) -> Any:
-    """``tool`` with every completed execution reported to ``on_done`` (declaration kept)."""
-    from taskpilots_graph.tools import SideEffectTool, current_invocation
-
-    inner = tool.tool if isinstance(tool, SideEffectTool) else tool
-
-    def key() -> str | None:
-        try:
-            return current_invocation().key
-        except ConfigurationError:
-            return None  # not run by the recovery executor (a plain ToolNode)
-
-    def run(config: RunnableConfig, **kwargs: Any) -> Any:
-        result = inner.invoke(kwargs, config=config)
-        on_done(inner.name, kwargs, key())
-        return result
-
-    async def arun(config: RunnableConfig, **kwargs: Any) -> Any:
-        result = await inner.ainvoke(kwargs, config=config)
-        on_done(inner.name, kwargs, key())
-        return result
-
-    wrapped: BaseTool = StructuredTool(
-        name=inner.name,
-        description=inner.description,
-        args_schema=inner.args_schema or inner.get_input_schema(),
-        func=run,
-        coroutine=arun,
-    )
-    if isinstance(tool, SideEffectTool):
-        wrapped = SideEffectTool(
-            name=tool.name,
-            description=tool.description,
-            args_schema=tool.args_schema,
-            tool=wrapped,
-            spec=tool.spec,
-        )
-    return wrapped
-
-
-@contextmanager
-def _instrumented(
-    graph: Any,
-    journal: Journal,
-    thread_id: str,
-    *,
-    fault: tuple[str, Wrap] | None = None,
-    kill_after: str | None = None,
-) -> Iterator[dict[str, Any]]:
-    """Swap the graph's tools for journaling (and one faulty) twins; restore them after.
-
-    Yields the fault injector (a :class:`~taskpilots_graph.testing.FaultyTool`) by name.
-    """
-
-    def on_done(tool: str, args: dict[str, Any], key: str | None) -> None:
-        journal.record(thread_id, tool, args, key)
-        if tool == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)  # the crash drill: die right after the effect
-
-    tables = _tool_tables(graph)
-    saved = [dict(t) for t in tables]
-    faults: dict[str, Any] = {}
-    try:
-        for table in tables:
-            for name, tool in list(table.items()):
-                twin = _recording(tool, on_done)
-                if fault is not None and fault[0] == name:
-                    faulty = faults.get(name) or fault[1](twin)
-                    faults[name] = faulty
-                    twin = faulty.tool  # the same injector behind every table
-                table[name] = twin
-        yield faults
-    finally:
-        for table, original in zip(tables, saved, strict=True):
-            table.clear()
-            table.update(original)
 
 
 # -- driving a thread --------------------------------------------------------------------------
@@ -591,7 +339,7 @@ def _baseline(
         declared = {n for n, t in tools.items() if spec_of(t) is not None}
         effects = frozenset(declared or tools)
     idempotent = frozenset(n for n, t in tools.items() if (s := spec_of(t)) and s.idempotent)
-    with _instrumented(graph, journal, thread_id), testing.fake_clock() as clock:
+    with instrumented(graph, journal, thread_id), testing.fake_clock() as clock:
         drive = _drive(graph, thread_id, input_, clock, start=True)
     if drive.settled != "closed" or drive.errors:
         why = drive.errors[-1] if drive.errors else f"it ended {drive.settled}"
@@ -618,7 +366,7 @@ def _fault_drill(
         return DrillResult(name, "skipped", "the baseline run gave it no tool to act on", thread_id)
     graph = ref.build(cp)
     with (
-        _instrumented(graph, journal, thread_id, fault=(tool, fault)) as faults,
+        instrumented(graph, journal, thread_id, fault=(tool, fault)) as faults,
         testing.fake_clock() as clock,
     ):
         drive = _drive(graph, thread_id, input_, clock, start=True)
@@ -824,7 +572,7 @@ def _child_main(argv: list[str]) -> int:
     with RecoveryCheckpointer.from_conn_string(payload["conn"]) as cp:
         graph = ref.build(cp)
         with (
-            _instrumented(graph, journal, thread_id, kill_after=payload["kill_after"]),
+            instrumented(graph, journal, thread_id, kill_after=payload["kill_after"]),
             testing.fake_clock() as clock,
         ):
             drive = _drive(graph, thread_id, payload["input"], clock, start=payload["start"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -24,11 +25,15 @@ from taskpilots_graph.errors import ConfigurationError, CorruptRecordError
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
+    "MAX_THREAD_ID_BYTES",
     "Event",
     "EventKind",
+    "EventRecord",
+    "check_thread_id",
     "encode_payload",
     "event_from_row",
     "mark_superseded",
+    "prepare_event",
 ]
 
 MAX_PAYLOAD_BYTES = 256 * 1024
@@ -209,3 +214,112 @@ def _decode_ts(raw: Any, key: str) -> datetime:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+MAX_THREAD_ID_BYTES = 1024
+"""The longest thread id stored, in UTF-8 bytes (every backend indexes it; PostgreSQL's
+index rows stop near 2.7 KB)."""
+
+
+def check_thread_id(thread_id: object) -> str:
+    """``thread_id`` if every backend can store it; the one rule, checked before any write.
+
+    Raises:
+        ConfigurationError: For a non-string or empty id, a NUL character, a lone surrogate
+            (not encodable as UTF-8) or an id longer than :data:`MAX_THREAD_ID_BYTES`.
+    """
+    if not isinstance(thread_id, str) or not thread_id:
+        raise ConfigurationError(
+            f"thread_id must be a non-empty string, got {_shown(thread_id)} "
+            f"({type(thread_id).__name__})"
+        )
+    if "\x00" in thread_id:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} contains a NUL character, which no backend stores"
+        )
+    try:
+        size = len(thread_id.encode())
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} is not valid Unicode text (a lone surrogate at "
+            f"position {exc.start}); it cannot be stored"
+        ) from exc
+    if size > MAX_THREAD_ID_BYTES:
+        raise ConfigurationError(
+            f"thread_id {_shown(thread_id)} is {size} bytes long in UTF-8; at most "
+            f"{MAX_THREAD_ID_BYTES} are stored (use a hash or a shorter id)"
+        )
+    return thread_id
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """An event validated and encoded, ready for a store to insert."""
+
+    thread_id: str
+    kind: EventKind
+    ts: float
+    checkpoint_ns: str
+    checkpoint_id: str | None
+    payload: str
+
+    def to_event(self, seq: int) -> Event:
+        """The :class:`Event` this record becomes once stored at ``seq``."""
+        return event_from_row(
+            thread_id=self.thread_id,
+            seq=seq,
+            kind=self.kind,
+            ts=self.ts,
+            payload=self.payload,
+            checkpoint_id=self.checkpoint_id,
+            checkpoint_ns=self.checkpoint_ns,
+        )
+
+
+def prepare_event(
+    thread_id: str,
+    kind: EventKind | str,
+    payload: Mapping[str, Any] | None,
+    *,
+    checkpoint_id: str | None,
+    checkpoint_ns: str,
+) -> EventRecord:
+    """Validate an event before anything is written.
+
+    Raises:
+        ConfigurationError: For a thread id :func:`check_thread_id` refuses, an unknown
+            kind or a payload that is not JSON-serialisable or too large.
+    """
+    check_thread_id(thread_id)
+    if not isinstance(checkpoint_ns, str):
+        raise ConfigurationError("checkpoint_ns must be a string")
+    if "\x00" in checkpoint_ns or _unencodable(checkpoint_ns):
+        raise ConfigurationError(
+            f"checkpoint_ns {checkpoint_ns!r} contains characters no backend can store"
+        )
+    try:
+        event_kind = EventKind(kind)
+    except ValueError as exc:
+        known = ", ".join(k.value for k in EventKind)
+        raise ConfigurationError(f"unknown event kind {kind!r}; known kinds: {known}") from exc
+    return EventRecord(
+        thread_id=thread_id,
+        kind=event_kind,
+        ts=time.time(),
+        checkpoint_ns=checkpoint_ns,
+        checkpoint_id=checkpoint_id,
+        payload=encode_payload(payload),
+    )
+
+
+def _unencodable(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -20,7 +20,7 @@ import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.locks.hold import (
     AsyncHold,
     Hold,

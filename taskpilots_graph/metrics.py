@@ -37,27 +37,42 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from types import MappingProxyType
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
+from taskpilots_graph import _thread_index
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.exposition import Gauge, gauge, prometheus_text
 from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
+from taskpilots_graph.metric_figures import (
+    DuplicateEffects,
+    LocalRecovery,
+    RunCounts,
+    TakeoverCost,
+    TimeToClose,
+    ToolStats,
+    duplicate_effects,
+    frozen_counts,
+    local_recovery,
+    plain,
+    takeover_cost,
+    time_to_close,
+    tool_tallies,
+)
+from taskpilots_graph.reprs import html_view
 from taskpilots_graph.threads import (
     THREAD_STATUSES,
     ThreadStatus,
-    _listed,
     aevents_for_listing,
-    ascan_thread_ids,
     events_for_listing,
+    listed_thread_info,
     recovery_api,
     root_config,
-    scan_thread_ids,
     status_from_events,
 )
 
@@ -73,155 +88,6 @@ __all__ = [
     "compute_metrics",
     "recovery_metrics",
 ]
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    """A flat dataclass as a JSON-ready dict (mappings and tuples become dicts and lists)."""
-    data = {}
-    for name in value.__dataclass_fields__:
-        item = getattr(value, name)
-        data[name] = (
-            dict(item)
-            if isinstance(item, Mapping)
-            else list(item)
-            if isinstance(item, tuple)
-            else item
-        )
-    return data
-
-
-def _ratio(part: float, whole: float) -> float | None:
-    return part / whole if whole else None
-
-
-def _frozen(mapping: Mapping[str, int]) -> Mapping[str, int]:
-    return MappingProxyType(dict(sorted(mapping.items())))
-
-
-@dataclass(frozen=True, slots=True)
-class LocalRecovery:
-    """Failed tool steps and how they ended.
-
-    Attributes:
-        failures: Steps that failed at least once.
-        recovered: Failed steps that later produced a result in the same run.
-        recovered_automatically: Of those, recovered without a person's decision.
-        unrecovered: Failed steps settled otherwise (skipped, reported, abandoned, failed).
-        pending: Failed steps of runs still open.
-        rate: ``recovered / (recovered + unrecovered)``; ``None`` when nothing settled.
-    """
-
-    failures: int = 0
-    recovered: int = 0
-    recovered_automatically: int = 0
-    unrecovered: int = 0
-    pending: int = 0
-    rate: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DuplicateEffects:
-    """Side effects executed more than once under one ledger key.
-
-    Attributes:
-        effects: Keys executed at least once (confirmed or possibly).
-        duplicates: Keys with two or more confirmed executions.
-        possible_duplicates: Other keys that may have been executed twice.
-        keys: The keys of ``duplicates`` and ``possible_duplicates``, sorted.
-        rate: ``duplicates / effects``; ``None`` without effects.
-        upper_rate: ``(duplicates + possible_duplicates) / effects``.
-    """
-
-    effects: int = 0
-    duplicates: int = 0
-    possible_duplicates: int = 0
-    keys: tuple[str, ...] = ()
-    rate: float | None = None
-    upper_rate: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TimeToClose:
-    """From the first tool failure of a turn to the run closing.
-
-    Attributes:
-        samples: Turns with a failure that closed.
-        mean_seconds: Their mean time to close; ``None`` without samples.
-        max_seconds: The longest one.
-        failed: Turns with a failure that ended ``failed``.
-        open: Turns with a failure that have not ended.
-    """
-
-    samples: int = 0
-    mean_seconds: float | None = None
-    max_seconds: float | None = None
-    failed: int = 0
-    open: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TakeoverCost:
-    """What human takeovers cost.
-
-    Attributes:
-        runs: Runs looked at.
-        takeovers: Times a person was asked.
-        per_100_runs: ``100 * takeovers / runs``; ``None`` without runs.
-        answered: Takeovers a person answered.
-        pending: Takeovers still waiting.
-        wait_seconds: Total time answered takeovers waited.
-        mean_wait_seconds: ``wait_seconds / answered``; ``None`` when none was answered.
-        pending_wait_seconds: Total time pending takeovers have waited so far.
-        decisions: Decisions recorded, by action.
-    """
-
-    runs: int = 0
-    takeovers: int = 0
-    per_100_runs: float | None = None
-    answered: int = 0
-    pending: int = 0
-    wait_seconds: float = 0.0
-    mean_wait_seconds: float | None = None
-    pending_wait_seconds: float = 0.0
-    decisions: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-
-
-@dataclass(frozen=True, slots=True)
-class ToolStats:
-    """Per-tool figures.
-
-    Attributes:
-        tool: Tool name.
-        calls: ``tool_invoked`` events (every attempt).
-        failures: Failed attempts by failure kind (``side_effect_uncertain`` counts effects
-            that became uncertain).
-        retries: Retries scheduled for the tool.
-        degradations: Times the run gave up on the tool for a fallback.
-        compensations: Committed effects of the tool undone.
-    """
-
-    tool: str
-    calls: int = 0
-    failures: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    retries: int = 0
-    degradations: int = 0
-    compensations: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RunCounts:
-    """Runs (threads) by status; ``open`` is ``running + waiting_tool``."""
-
-    total: int = 0
-    running: int = 0
-    waiting_tool: int = 0
-    awaiting_human: int = 0
-    closed: int = 0
-    failed: int = 0
-
-    @property
-    def open(self) -> int:
-        return self.running + self.waiting_tool
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,18 +139,18 @@ class RecoveryMetrics:
         ``corrupt_events`` (the keys of event rows skipped as undecodable) is present only
         when there are some.
         """
-        tools = {t.tool: {k: v for k, v in _plain(t).items() if k != "tool"} for t in self.tools}
+        tools = {t.tool: {k: v for k, v in plain(t).items() if k != "tool"} for t in self.tools}
         return {
             # The four headline figures first, flat, for dashboards and tables.
             "local_recovery_rate": self.local_recovery.rate,
             "duplicate_side_effect_rate": self.duplicates.rate,
             "mean_time_to_close_seconds": self.time_to_close.mean_seconds,
             "takeovers_per_100_runs": self.takeover.per_100_runs,
-            "local_recovery": _plain(self.local_recovery),
-            "duplicate_side_effects": _plain(self.duplicates),
-            "time_to_close": _plain(self.time_to_close),
-            "human_takeover": _plain(self.takeover),
-            "runs": {**_plain(self.runs), "open": self.runs.open},
+            "local_recovery": plain(self.local_recovery),
+            "duplicate_side_effects": plain(self.duplicates),
+            "time_to_close": plain(self.time_to_close),
+            "human_takeover": plain(self.takeover),
+            "runs": {**plain(self.runs), "open": self.runs.open},
             "tools": tools,
             "totals": {
                 "retries": self.retries,
@@ -309,7 +175,7 @@ class RecoveryMetrics:
         Built with ``prometheus_client`` when it is installed (the ``metrics`` extra),
         otherwise written by hand in the same format. Undefined ratios are ``NaN``.
         """
-        return _render(_gauges(self))
+        return prometheus_text(_gauges(self))
 
     def record_opentelemetry(self, meter: Any) -> list[Any]:
         """Publish the metrics as OpenTelemetry observable gauges on ``meter``.
@@ -321,72 +187,51 @@ class RecoveryMetrics:
         from opentelemetry.metrics import CallbackOptions, Observation
 
         instruments = []
-        for gauge in _gauges(self):
+        for each in _gauges(self):
 
-            def observe(options: CallbackOptions, gauge: _Gauge = gauge) -> list[Observation]:
+            def observe(options: CallbackOptions, each: Gauge = each) -> list[Observation]:
                 return [
-                    Observation(value, dict(zip(gauge.labels, labels, strict=True)))
-                    for labels, value in gauge.samples
+                    Observation(value, dict(zip(each.labels, labels, strict=True)))
+                    for labels, value in each.samples
                     if not math.isnan(value)
                 ]
 
             instruments.append(
-                meter.create_observable_gauge(
-                    gauge.name, callbacks=[observe], description=gauge.help
-                )
+                meter.create_observable_gauge(each.name, callbacks=[observe], description=each.help)
             )
         return instruments
 
-    def _repr_html_(self) -> str:
-        from taskpilots_graph.notebook.html import metrics_html
-
-        return metrics_html(self)
-
-
-@dataclass(frozen=True, slots=True)
-class _Gauge:
-    name: str
-    help: str
-    labels: tuple[str, ...]
-    samples: tuple[tuple[tuple[str, ...], float], ...]
+    def _repr_html_(self) -> str | None:
+        # Drawn by the notebook package once imported (see taskpilots_graph.reprs).
+        return html_view(self)
 
 
-def _gauge(name: str, help: str, samples: Mapping[str, float] | float | None) -> _Gauge:
-    """A gauge with one label (from ``name{label}``) or none; ``None`` becomes ``NaN``."""
-    base, _, label = name.partition("{")
-    if isinstance(samples, Mapping):
-        values = tuple(((k,), float(v)) for k, v in samples.items())
-        return _Gauge(f"taskpilots_{base}", help, (label.rstrip("}"),), values)
-    value = math.nan if samples is None else float(samples)
-    return _Gauge(f"taskpilots_{base}", help, (), (((), value),))
+def _per_tool(m: RecoveryMetrics, name: str, help: str, attr: str) -> Gauge:
+    return gauge(f"{name}{{tool}}", help, {t.tool: getattr(t, attr) for t in m.tools})
 
 
-def _per_tool(m: RecoveryMetrics, name: str, help: str, attr: str) -> _Gauge:
-    return _gauge(f"{name}{{tool}}", help, {t.tool: getattr(t, attr) for t in m.tools})
-
-
-def _gauges(m: RecoveryMetrics) -> list[_Gauge]:
+def _gauges(m: RecoveryMetrics) -> list[Gauge]:
     lr, dup, ttc, tk = m.local_recovery, m.duplicates, m.time_to_close, m.takeover
     failures = tuple(((t.tool, k), float(n)) for t in m.tools for k, n in t.failures.items())
     return [
-        _gauge("local_recovery_rate", "Failed steps recovered in their own run.", lr.rate),
-        _gauge(
+        gauge("local_recovery_rate", "Failed steps recovered in their own run.", lr.rate),
+        gauge(
             "failed_steps{outcome}",
             "Failed tool steps by outcome.",
             {"recovered": lr.recovered, "unrecovered": lr.unrecovered, "pending": lr.pending},
         ),
-        _gauge(
+        gauge(
             "failed_steps_recovered_automatically",
             "Failed steps recovered without a person.",
             lr.recovered_automatically,
         ),
-        _gauge("duplicate_side_effect_rate", "Effects executed twice (confirmed).", dup.rate),
-        _gauge(
+        gauge("duplicate_side_effect_rate", "Effects executed twice (confirmed).", dup.rate),
+        gauge(
             "duplicate_side_effect_rate_upper",
             "Effects executed or possibly executed twice.",
             dup.upper_rate,
         ),
-        _gauge(
+        gauge(
             "side_effects{state}",
             "Side-effect keys by state.",
             {
@@ -397,342 +242,53 @@ def _gauges(m: RecoveryMetrics) -> list[_Gauge]:
                 "intended": m.unreconciled_intents,
             },
         ),
-        _gauge(
+        gauge(
             "time_to_close_seconds_mean",
             "Mean seconds from a turn's first tool failure to the run closing.",
             ttc.mean_seconds,
         ),
-        _gauge(
+        gauge(
             "time_to_close_seconds_max",
             "Longest seconds from a turn's first tool failure to the run closing.",
             ttc.max_seconds,
         ),
-        _gauge(
+        gauge(
             "failure_episodes{end}",
             "Turns with a tool failure, by how they ended.",
             {"closed": ttc.samples, "failed": ttc.failed, "open": ttc.open},
         ),
-        _gauge("takeovers_per_100_runs", "Human takeovers per 100 runs.", tk.per_100_runs),
-        _gauge(
+        gauge("takeovers_per_100_runs", "Human takeovers per 100 runs.", tk.per_100_runs),
+        gauge(
             "takeovers{state}",
             "Human takeovers by state.",
             {"answered": tk.answered, "pending": tk.pending},
         ),
-        _gauge(
+        gauge(
             "takeover_wait_seconds{state}",
             "Seconds waited for a person.",
             {"answered": tk.wait_seconds, "pending": tk.pending_wait_seconds},
         ),
-        _gauge("takeover_decisions{action}", "Decisions by action.", dict(tk.decisions)),
-        _gauge(
+        gauge("takeover_decisions{action}", "Decisions by action.", dict(tk.decisions)),
+        gauge(
             "runs{status}",
             "Runs by status.",
             {s: getattr(m.runs, s) for s in THREAD_STATUSES},
         ),
         _per_tool(m, "tool_calls", "Tool invocations (every attempt).", "calls"),
-        _Gauge(
+        Gauge(
             "taskpilots_tool_failures", "Failed tool attempts by kind.", ("tool", "kind"), failures
         ),
         _per_tool(m, "tool_retries", "Retries scheduled.", "retries"),
         _per_tool(m, "tool_degradations", "Degradations to a fallback.", "degradations"),
         _per_tool(m, "tool_compensations", "Committed effects undone.", "compensations"),
-        _gauge(
+        gauge(
             "compensations_missing",
             "Effects left without a compensator when a run was abandoned.",
             m.compensations_missing,
         ),
-        _gauge("model_failures", "Failed model calls.", m.model_failures),
-        _gauge("resumes", "Runs continued by resume or decide.", m.resumes),
+        gauge("model_failures", "Failed model calls.", m.model_failures),
+        gauge("resumes", "Runs continued by resume or decide.", m.resumes),
     ]
-
-
-def _render(gauges: Sequence[_Gauge]) -> str:
-    try:
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.core import GaugeMetricFamily
-        from prometheus_client.registry import Collector
-    except ImportError:  # the ``metrics`` extra is not installed: same format, by hand
-        return _render_text(gauges)
-
-    class _Snapshot(Collector):
-        def collect(self) -> Iterator[GaugeMetricFamily]:
-            for gauge in gauges:
-                family = GaugeMetricFamily(gauge.name, gauge.help, labels=list(gauge.labels))
-                for values, value in gauge.samples:
-                    family.add_metric(list(values), value)
-                yield family
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot())
-    return generate_latest(registry).decode()
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _escape(text: str, *, quote: bool) -> str:
-    text = text.replace("\\", "\\\\").replace("\n", "\\n")
-    return text.replace('"', '\\"') if quote else text
-
-
-def _render_text(gauges: Sequence[_Gauge]) -> str:
-    """Prometheus text exposition format 0.0.4, written without the library."""
-    lines = []
-    for gauge in gauges:
-        lines += [
-            f"# HELP {gauge.name} {_escape(gauge.help, quote=False)}",
-            f"# TYPE {gauge.name} gauge",
-        ]
-        for values, value in gauge.samples:
-            pairs = ",".join(
-                f'{k}="{_escape(v, quote=True)}"'
-                for k, v in sorted(zip(gauge.labels, values, strict=True))
-            )
-            lines.append(
-                f"{gauge.name}{{{pairs}}} {_number(value)}"
-                if pairs
-                else f"{gauge.name} {_number(value)}"
-            )
-    return "\n".join(lines) + "\n"
-
-
-# -- the I/O-free core -------------------------------------------------------------------------
-
-
-def _step_id(event: Event) -> str:
-    p = event.payload
-    return str(p.get("tool_call_id") or p.get("key") or f"{p.get('tool')}#{event.seq}")
-
-
-@dataclass
-class _Failure:
-    human: bool = False
-    outcome: str | None = None  # "recovered" / "unrecovered" once settled
-
-
-def _local_recovery(
-    events_by_thread: Mapping[str, Sequence[Event]], statuses: Mapping[str, ThreadStatus]
-) -> LocalRecovery:
-    settled: list[_Failure] = []
-    pending = 0
-    for thread_id, events in events_by_thread.items():
-        open_: dict[str, _Failure] = {}
-        for event in events:
-            kind, p = event.kind, event.payload
-            if kind in (EventKind.TOOL_FAILED, EventKind.EFFECT_UNCERTAIN):
-                open_.setdefault(_step_id(event), _Failure())
-            elif kind is EventKind.TOOL_SUCCEEDED or (
-                kind is EventKind.EFFECT_RECONCILED and p.get("outcome") == "done"
-            ):
-                if (failure := open_.pop(_step_id(event), None)) is not None:
-                    failure.outcome = "recovered"
-                    settled.append(failure)
-            elif kind is EventKind.DECISION_RECORDED:
-                action = (p.get("decision") or {}).get("action")
-                for step in p.get("steps") or []:
-                    if (failure := open_.get(str(step))) is None:
-                        continue
-                    failure.human = True
-                    if action in ("provide_result", "skip", "abandon"):
-                        del open_[str(step)]
-                        failure.outcome = (
-                            "recovered" if action == "provide_result" else "unrecovered"
-                        )
-                        settled.append(failure)
-            elif kind is EventKind.AGENT_FINISHED:
-                for failure in open_.values():
-                    failure.outcome = "unrecovered"
-                    settled.append(failure)
-                open_.clear()
-        if statuses.get(thread_id) in ("closed", "failed"):
-            for failure in open_.values():
-                failure.outcome = "unrecovered"
-                settled.append(failure)
-        else:
-            pending += len(open_)
-    recovered = [f for f in settled if f.outcome == "recovered"]
-    unrecovered = len(settled) - len(recovered)
-    return LocalRecovery(
-        failures=len(settled) + pending,
-        recovered=len(recovered),
-        recovered_automatically=sum(1 for f in recovered if not f.human),
-        unrecovered=unrecovered,
-        pending=pending,
-        rate=_ratio(len(recovered), len(settled)),
-    )
-
-
-@dataclass
-class _Executions:
-    confirmed: int = 0
-    possible: int = 0
-    inflight: bool = False
-
-    def cut_off(self) -> None:
-        # A call that started and never reported back may have reached the service.
-        if self.inflight:
-            self.possible += 1
-            self.inflight = False
-
-
-def _executions(events: Iterable[Event]) -> _Executions:
-    ex = _Executions()
-    for event in events:
-        kind, p = event.kind, event.payload
-        if kind is EventKind.TOOL_INVOKED:
-            ex.cut_off()
-            ex.inflight = True
-        elif kind is EventKind.TOOL_PAUSED:
-            ex.inflight = False  # paused on interrupt(): the same call continues later
-        elif kind is EventKind.TOOL_SUCCEEDED:
-            ex.inflight = False
-            ex.confirmed += 1
-        elif kind is EventKind.TOOL_FAILED:
-            ex.inflight = False
-            ex.possible += 1 if p.get("maybe_sent", True) is not False else 0
-        elif kind is EventKind.EFFECT_UNCERTAIN:
-            ex.cut_off()
-        elif kind is EventKind.EFFECT_RECONCILED:
-            ex.cut_off()
-            outcome = p.get("outcome")
-            if outcome in ("done", "not_done", "unknown_idempotent") and ex.possible:
-                ex.possible -= 1
-                ex.confirmed += outcome == "done"
-    ex.cut_off()
-    return ex
-
-
-def _duplicates(
-    events_by_thread: Mapping[str, Sequence[Event]], ledger: Sequence[LedgerEntry]
-) -> DuplicateEffects:
-    keys = {e.key for e in ledger}
-    by_key: dict[str, list[Event]] = {}
-    for events in events_by_thread.values():
-        for event in events:
-            key = event.payload.get("key")
-            if key in keys:
-                by_key.setdefault(str(key), []).append(event)
-    executed = {
-        e.key for e in ledger if e.status in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED)
-    }
-    duplicates, possible = [], []
-    for key, events in by_key.items():
-        # Several threads can use one business key: order their events by time.
-        ex = _executions(sorted(events, key=lambda e: (e.ts, e.thread_id, e.seq)))
-        if ex.confirmed + ex.possible:
-            executed.add(key)
-        if ex.confirmed >= 2:
-            duplicates.append(key)
-        elif ex.confirmed + ex.possible >= 2:
-            possible.append(key)
-    return DuplicateEffects(
-        effects=len(executed),
-        duplicates=len(duplicates),
-        possible_duplicates=len(possible),
-        keys=tuple(sorted(duplicates + possible)),
-        rate=_ratio(len(duplicates), len(executed)),
-        upper_rate=_ratio(len(duplicates) + len(possible), len(executed)),
-    )
-
-
-def _time_to_close(events_by_thread: Mapping[str, Sequence[Event]]) -> TimeToClose:
-    samples: list[float] = []
-    failed = open_ = 0
-    for events in events_by_thread.values():
-        first: datetime | None = None
-        for event in events:
-            if event.kind in (EventKind.TOOL_FAILED, EventKind.EFFECT_UNCERTAIN):
-                first = first or event.ts
-            elif event.kind is EventKind.AGENT_FINISHED and first is not None:
-                if event.payload.get("status") == "failed":
-                    failed += 1
-                else:
-                    samples.append(max(0.0, (event.ts - first).total_seconds()))
-                first = None
-        open_ += first is not None
-    return TimeToClose(
-        samples=len(samples),
-        mean_seconds=sum(samples) / len(samples) if samples else None,
-        max_seconds=max(samples, default=None),
-        failed=failed,
-        open=open_,
-    )
-
-
-def _takeover(events_by_thread: Mapping[str, Sequence[Event]], now: datetime) -> TakeoverCost:
-    waits: list[float] = []
-    pending_since: list[datetime] = []
-    decisions: Counter[str] = Counter()
-    for events in events_by_thread.values():
-        asked: datetime | None = None
-        for event in events:
-            kind, p = event.kind, event.payload
-            if kind is EventKind.TAKEOVER_REQUESTED:
-                asked = asked or event.ts
-            elif kind is EventKind.DECISION_RECORDED or (
-                kind is EventKind.RUN_RESUMED and "decision" in p
-            ):
-                if kind is EventKind.DECISION_RECORDED:
-                    decisions[str((p.get("decision") or {}).get("action", "unknown"))] += 1
-                if asked is not None:
-                    waits.append(max(0.0, (event.ts - asked).total_seconds()))
-                    asked = None
-        if asked is not None:
-            pending_since.append(asked)
-    runs = len(events_by_thread)
-    takeovers = len(waits) + len(pending_since)
-    return TakeoverCost(
-        runs=runs,
-        takeovers=takeovers,
-        per_100_runs=_ratio(100.0 * takeovers, runs),
-        answered=len(waits),
-        pending=len(pending_since),
-        wait_seconds=float(sum(waits)),
-        mean_wait_seconds=_ratio(sum(waits), len(waits)),
-        pending_wait_seconds=float(sum(max(0.0, (now - t).total_seconds()) for t in pending_since)),
-        decisions=_frozen(decisions),
-    )
-
-
-@dataclass
-class _Tool:
-    calls: int = 0
-    failures: Counter[str] = field(default_factory=Counter)
-    retries: int = 0
-    degradations: int = 0
-    compensations: int = 0
-
-
-def _tools(events: Iterable[Event]) -> tuple[dict[str, _Tool], int]:
-    tools: dict[str, _Tool] = {}
-    missing = 0
-    for event in events:
-        kind, p = event.kind, event.payload
-        name = str(p.get("using") or p.get("tool") or "")
-        if kind is EventKind.COMPENSATED and "without_compensator" in p:
-            missing += len(p.get("without_compensator") or [])
-            continue
-        if not name:
-            continue
-        if kind is EventKind.TOOL_INVOKED:
-            tools.setdefault(name, _Tool()).calls += 1
-        elif kind is EventKind.TOOL_FAILED:
-            failure_kind = str((p.get("failure") or {}).get("kind") or "unknown")
-            tools.setdefault(name, _Tool()).failures[failure_kind] += 1
-        elif kind is EventKind.EFFECT_UNCERTAIN:
-            tools.setdefault(name, _Tool()).failures["side_effect_uncertain"] += 1
-        elif kind is EventKind.RETRY_SCHEDULED:
-            tools.setdefault(name, _Tool()).retries += 1
-        elif kind is EventKind.DEGRADED:
-            tools.setdefault(name, _Tool()).degradations += 1
-        elif kind is EventKind.COMPENSATED:
-            tools.setdefault(name, _Tool()).compensations += 1
-    return tools, missing
 
 
 def _since(value: datetime | float | None) -> datetime | None:
@@ -781,20 +337,20 @@ def compute_metrics(
     status = {t: known.get(t) or status_from_events(events) for t, events in logs.items()}
     used = {str(e.payload["key"]) for ev in logs.values() for e in ev if "key" in e.payload}
     ledger = [e for e in ledger_entries if e.thread_id in logs or e.key in used]
-    tools, missing = _tools(e for events in logs.values() for e in events)
+    tools, missing = tool_tallies(e for events in logs.values() for e in events)
     by_status = Counter(status.values())
     all_events = [e for events in logs.values() for e in events]
     return RecoveryMetrics(
-        local_recovery=_local_recovery(logs, status),
-        duplicates=_duplicates(logs, ledger),
-        time_to_close=_time_to_close(logs),
-        takeover=_takeover(logs, now),
+        local_recovery=local_recovery(logs, status),
+        duplicates=duplicate_effects(logs, ledger),
+        time_to_close=time_to_close(logs),
+        takeover=takeover_cost(logs, now),
         runs=RunCounts(total=len(logs), **{s: by_status.get(s, 0) for s in THREAD_STATUSES}),
         tools=tuple(
             ToolStats(
                 tool=name,
                 calls=t.calls,
-                failures=_frozen(t.failures),
+                failures=frozen_counts(t.failures),
                 retries=t.retries,
                 degradations=t.degradations,
                 compensations=t.compensations,
@@ -841,8 +397,8 @@ def recovery_metrics(
 ) -> RecoveryMetrics:
     """The recovery metrics of the store's runs (or of the runs named).
 
-    Without ``thread_ids`` the runs are the threads found by a scan of
-    ``checkpointer.list(None)`` plus the threads with ledger entries. An event row that
+    Without ``thread_ids`` the runs are the threads with a checkpoint
+    (:mod:`taskpilots_graph._thread_index`) or a ledger entry. An event row that
     cannot be decoded is skipped and reported in ``corrupt_events`` (and logged): one bad
     row never fails the metrics of the whole store.
 
@@ -859,14 +415,14 @@ def recovery_metrics(
     ids, start = _ids(thread_ids), _since(since)
     ledger = cp.ledger(None)
     if ids is None:
-        ids = list(dict.fromkeys([*scan_thread_ids(cp), *(e.thread_id for e in ledger)]))
+        ids = list(dict.fromkeys([*_thread_index.thread_ids(cp), *(e.thread_id for e in ledger)]))
     logs: dict[str, list[Event]] = {}
     statuses: dict[str, ThreadStatus] = {}
     corrupt: list[str] = []
     for thread_id in ids:
         logs[thread_id], skipped = events_for_listing(cp, thread_id)
         found = cp.get_tuple(root_config(thread_id))
-        statuses[thread_id] = _listed(
+        statuses[thread_id] = listed_thread_info(
             thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
         ).status
         corrupt.extend(skipped)
@@ -887,14 +443,16 @@ async def arecovery_metrics(
     ids, start = _ids(thread_ids), _since(since)
     ledger = await cp.aledger(None)
     if ids is None:
-        ids = list(dict.fromkeys([*await ascan_thread_ids(cp), *(e.thread_id for e in ledger)]))
+        ids = list(
+            dict.fromkeys([*await _thread_index.athread_ids(cp), *(e.thread_id for e in ledger)])
+        )
     logs: dict[str, list[Event]] = {}
     statuses: dict[str, ThreadStatus] = {}
     corrupt: list[str] = []
     for thread_id in ids:
         logs[thread_id], skipped = await aevents_for_listing(cp, thread_id)
         found = await cp.aget_tuple(root_config(thread_id))
-        statuses[thread_id] = _listed(
+        statuses[thread_id] = listed_thread_info(
             thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
         ).status
         corrupt.extend(skipped)

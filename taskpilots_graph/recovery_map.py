@@ -11,7 +11,8 @@ ask, so the chart cannot drift away from the code. It also lists the configurati
 it can see.
 
 Example:
-    >>> m = tp.recovery_map(graph)  # doctest: +SKIP
+    >>> from taskpilots_graph.recovery_map import recovery_map
+    >>> m = recovery_map(graph)  # doctest: +SKIP
     >>> m.table()[0]["transient"]  # doctest: +SKIP
     'retry up to 5 attempts, then ask a person'
     >>> print(m.mermaid())  # doctest: +SKIP

@@ -11,7 +11,8 @@ the model since its previous decision (the user's goal, tool results, the resume
 person's decision). The full prompt is not stored; the log holds the facts that went into it.
 
 Example:
-    >>> print(tp.replay(cp, "t-1"))  # doctest: +SKIP
+    >>> from taskpilots_graph.replay import replay
+    >>> print(replay(cp, "t-1"))  # doctest: +SKIP
     Replay of thread 't-1': 19 steps, 3 tool calls, 2 failures
       1. 18:05:27.252 user    asks: go
       2. 18:05:27.260 model   decides: create_ticket({"ref": "A"})
@@ -31,6 +32,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.reprs import html_view
 from taskpilots_graph.threads import recovery_api, root_config
 
 __all__ = ["Actor", "Replay", "ReplayStep", "areplay", "build_replay", "replay"]
@@ -161,10 +163,9 @@ class Replay:
         """JSON-serialisable form."""
         return {"thread_id": self.thread_id, "steps": [s.as_dict() for s in self.steps]}
 
-    def _repr_html_(self) -> str:
-        from taskpilots_graph.notebook.html import replay_html
-
-        return replay_html(self)
+    def _repr_html_(self) -> str | None:
+        # Drawn by the notebook package once imported (see taskpilots_graph.reprs).
+        return html_view(self)
 
 
 def _failure_text(failure: Mapping[str, Any]) -> str:

@@ -1,7 +1,8 @@
-"""Running threads, in any process: ``run`` a thread, ``resume`` it by id, list the threads
-waiting on a person with ``pending_takeovers``, and answer them with ``decide``.
+"""Running threads, in any process: ``run`` a thread, ``resume`` it by id, ``rewind`` it to a
+milestone. Listing the threads waiting on a person (``pending_takeovers``) and answering
+them (``decide``) are in :mod:`taskpilots_graph.decisions`.
 
-Every runner here (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds
+Every runner (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds
 the thread's lease (``thread:<thread_id>``) for the whole call: a second runner on the same
 thread gets :class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with
 ``wait=True``) instead of silently losing writes, and the executor checks the lease before
@@ -21,26 +22,18 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
-from langgraph.types import Command, Interrupt, StateSnapshot
-from pydantic import BaseModel, ValidationError
+from langgraph.types import StateSnapshot
 
-from taskpilots_graph.agent import find_executor, lease_source
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import check_thread_id
+from taskpilots_graph.agent import lease_source
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import (
     ConfigurationError,
-    InvalidDecision,
-    NoPendingTakeover,
-    StaleDecision,
     ThreadNotFound,
 )
-from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.events import Event, EventKind, check_thread_id
 from taskpilots_graph.guard import aguard_thread, guard_thread
 from taskpilots_graph.ledger import LedgerStatus, SideEffectUncertain
-from taskpilots_graph.nodes.executor import RecoveryExecutor
-from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import resumed_config
-from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 from taskpilots_graph.unfinished import (
     OrphanOutcome,
     abefore_run,
@@ -53,27 +46,37 @@ from taskpilots_graph.unfinished import (
 )
 
 __all__ = [
-    "adecide",
-    "apending_takeovers",
+    "aleased_thread",
     "aresume",
     "arewind",
     "arun",
-    "decide",
-    "pending_takeovers",
+    "graph_saver",
+    "leased_thread",
     "resume",
     "rewind",
     "run",
+    "thread_config",
 ]
 
 
-def _config(thread_id: str, config: RunnableConfig | None) -> RunnableConfig:
+def thread_config(thread_id: str, config: RunnableConfig | None) -> RunnableConfig:
+    """``config`` (or a new one) naming ``thread_id``, checked as every backend needs it.
+
+    Raises:
+        ConfigurationError: For a thread id no backend can store.
+    """
     check_thread_id(thread_id)  # one rule on every backend, before anything is written
     base: dict[str, Any] = dict(config or {})
     base["configurable"] = {**base.get("configurable", {}), "thread_id": thread_id}
     return base  # type: ignore[return-value]
 
 
-def _saver(graph: Pregel[Any, Any]) -> BaseCheckpointSaver[Any]:
+def graph_saver(graph: Pregel[Any, Any]) -> BaseCheckpointSaver[Any]:
+    """The checkpointer ``graph`` was compiled with.
+
+    Raises:
+        ConfigurationError: For a graph compiled without one.
+    """
     cp = graph.checkpointer
     if not isinstance(cp, BaseCheckpointSaver):
         raise ConfigurationError(
@@ -84,7 +87,7 @@ def _saver(graph: Pregel[Any, Any]) -> BaseCheckpointSaver[Any]:
 
 
 @contextmanager
-def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[None]:
+def leased_thread(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[None]:
     """Hold the thread's lease for the block (re-entrant; see :mod:`taskpilots_graph.guard`).
 
     The lease comes from the graph's lease backend, named or its checkpointer's own
@@ -101,8 +104,10 @@ def _leased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> Iterator[Non
 
 
 @asynccontextmanager
-async def _aleased(graph: Pregel[Any, Any], thread_id: str, wait: bool) -> AsyncIterator[None]:
-    """Async form of :func:`_leased`."""
+async def aleased_thread(
+    graph: Pregel[Any, Any], thread_id: str, wait: bool
+) -> AsyncIterator[None]:
+    """Async form of :func:`leased_thread`."""
     source = lease_source(graph)
     if source is None:
         yield
@@ -149,8 +154,8 @@ def run(
         LeaseLost: The lease was lost mid-run; the run stopped before its next side effect.
         LockBackendUnavailable: The lease backend is unreachable; nothing ran.
     """
-    cfg = _config(thread_id, config)
-    with _leased(graph, thread_id, wait):
+    cfg = thread_config(thread_id, config)
+    with leased_thread(graph, thread_id, wait):
         if not _guarded(graph):
             input = before_run(graph, cfg, input)
         return graph.invoke(input, cfg, **kwargs)
@@ -166,8 +171,8 @@ async def arun(
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`run`."""
-    cfg = _config(thread_id, config)
-    async with _aleased(graph, thread_id, wait):
+    cfg = thread_config(thread_id, config)
+    async with aleased_thread(graph, thread_id, wait):
         if not _guarded(graph):
             input = await abefore_run(graph, cfg, input)
         return await graph.ainvoke(input, cfg, **kwargs)
@@ -236,9 +241,9 @@ def resume(
             confirm (named; a person decides).
         ThreadBusy: Another runner holds the thread (and ``wait`` is false).
     """
-    cfg = _config(thread_id, config)
-    with _leased(graph, thread_id, wait):
-        cp = _saver(graph)
+    cfg = thread_config(thread_id, config)
+    with leased_thread(graph, thread_id, wait):
+        cp = graph_saver(graph)
         if cp.get_tuple(cfg) is None:
             # No checkpoint (durability "exit", a crash before the first one): the ledger
             # may still hold the thread's intents, and only they can say what happened.
@@ -268,9 +273,9 @@ async def aresume(
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`resume`."""
-    cfg = _config(thread_id, config)
-    async with _aleased(graph, thread_id, wait):
-        cp = _saver(graph)
+    cfg = thread_config(thread_id, config)
+    async with aleased_thread(graph, thread_id, wait):
+        cp = graph_saver(graph)
         if await cp.aget_tuple(cfg) is None:
             if not isinstance(cp, RecoveryAPI) or not await cp.aledger(thread_id):
                 raise ThreadNotFound(thread_id)
@@ -287,233 +292,6 @@ async def aresume(
             )
             cfg = resumed_config(cfg, event.seq, snapshot)
         return await graph.ainvoke(None, cfg, **kwargs)
-
-
-# -- people ------------------------------------------------------------------------------------
-
-_INTERRUPT_CHANNEL = "__interrupt__"
-_NULL_TASK_ID = "00000000-0000-0000-0000-000000000000"  # writes that are a step's input
-_CONTROL_CHANNELS = frozenset(
-    {"__error__", "__error_source_node__", _INTERRUPT_CHANNEL, "__resume__"}
-)
-"""Writes that say what happened to a task rather than what it produced (LangGraph's rule:
-a task with any other write finished, and its recorded interrupts were answered)."""
-
-
-def _requests_from_tuple(thread_id: str, pending_writes: Any) -> list[TakeoverRequest]:
-    # A takeover answered while a sibling task of the same step still waits keeps its
-    # interrupt write until the step ends: the task's own output says it was answered.
-    finished = {
-        task
-        for task, channel, _value in pending_writes or ()
-        if channel not in _CONTROL_CHANNELS and task != _NULL_TASK_ID
-    }
-    found = []
-    for task, channel, value in pending_writes or ():
-        if channel != _INTERRUPT_CHANNEL or task in finished:
-            continue
-        for item in value if isinstance(value, list | tuple) else [value]:
-            data = getattr(item, "value", None)
-            if isinstance(data, dict) and "options" in data and data.get("thread_id") == thread_id:
-                found.append(TakeoverRequest.model_validate({**data, "interrupt_id": item.id}))
-    return found
-
-
-def _thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
-    seen: dict[str, None] = {}
-    for item in checkpointer.list(None):
-        seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
-    return list(seen)
-
-
-def pending_takeovers(
-    checkpointer: BaseCheckpointSaver[Any], *, thread_ids: list[str] | None = None
-) -> list[TakeoverRequest]:
-    """Every thread waiting on a person, with its :class:`TakeoverRequest`.
-
-    Args:
-        checkpointer: The checkpointer the graphs run with.
-        thread_ids: Look only at these threads (default: every thread in the store).
-    """
-    requests: list[TakeoverRequest] = []
-    for thread_id in thread_ids if thread_ids is not None else _thread_ids(checkpointer):
-        found = checkpointer.get_tuple({"configurable": {"thread_id": thread_id}})
-        if found is not None:
-            requests += _requests_from_tuple(thread_id, found.pending_writes)
-    return requests
-
-
-async def apending_takeovers(
-    checkpointer: BaseCheckpointSaver[Any], *, thread_ids: list[str] | None = None
-) -> list[TakeoverRequest]:
-    """Async form of :func:`pending_takeovers`."""
-    if thread_ids is None:
-        seen: dict[str, None] = {}
-        async for item in checkpointer.alist(None):
-            seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
-        thread_ids = list(seen)
-    requests: list[TakeoverRequest] = []
-    for thread_id in thread_ids:
-        found = await checkpointer.aget_tuple({"configurable": {"thread_id": thread_id}})
-        if found is not None:
-            requests += _requests_from_tuple(thread_id, found.pending_writes)
-    return requests
-
-
-def _asked(interrupt: Interrupt) -> list[str]:
-    """The tool call ids of the steps a takeover asks about."""
-    pending = interrupt.value.get("pending") or []
-    return [str(p.get("tool_call_id")) for p in pending if isinstance(p, dict)]
-
-
-def _addressed(snapshot: StateSnapshot, thread_id: str, decision: Decision) -> Interrupt:
-    """The pending takeover a decision answers.
-
-    A decision naming its takeover (``interrupt_id``) answers that one or nothing: once it
-    is answered the thread may wait on a newer takeover about another step, and the old
-    answer must not land there. One without it answers the step it names, else the only
-    takeover pending.
-
-    Raises:
-        StaleDecision: The named takeover is no longer pending.
-        NoPendingTakeover: Nobody is asked anything on the thread.
-        InvalidDecision: Several takeovers are pending and the decision names none, or it
-            names a step its takeover does not ask about.
-    """
-    pending = [i for i in snapshot.interrupts if isinstance(i.value, dict) and "options" in i.value]
-    if decision.interrupt_id is not None:
-        chosen = [i for i in pending if i.id == decision.interrupt_id]
-        if not chosen:
-            raise StaleDecision(thread_id, decision.interrupt_id, [i.id for i in pending])
-    elif not pending:
-        raise NoPendingTakeover(thread_id)
-    elif decision.tool_call_id is not None:
-        # The takeover asking about that step; failing that the only one, whose node then
-        # says which steps wait (InvalidDecision).
-        chosen = [i for i in pending if decision.tool_call_id in _asked(i)] or pending
-    else:
-        chosen = pending
-    if len(chosen) > 1:
-        raise InvalidDecision(
-            f"{len(chosen)} takeovers are pending on thread {thread_id!r}; say which one "
-            f"with interrupt_id= (one of {', '.join(i.id for i in chosen)})"
-        )
-    (interrupt,) = chosen
-    asked = _asked(interrupt)
-    if decision.tool_call_id is not None and asked and decision.tool_call_id not in asked:
-        raise InvalidDecision(
-            f"no step {decision.tool_call_id!r} waits on this takeover; waiting: {asked}"
-        )
-    return interrupt
-
-
-def _answer(
-    graph: Pregel[Any, Any], snapshot: StateSnapshot, thread_id: str, decision: Decision
-) -> Command[Any]:
-    interrupt = _addressed(snapshot, thread_id, decision)
-    offered = interrupt.value.get("options") or {}
-    if offered and decision.action not in offered:
-        raise InvalidDecision(
-            f"{decision.action!r} is not an option of this takeover; choose one of "
-            f"{', '.join(offered)}"
-        )
-    # Resumed by id: only this interrupt takes the answer, never a newer one.
-    answer: Command[Any] = Command(resume={interrupt.id: decision.model_dump(mode="json")})
-    executor = find_executor(graph)
-    if executor is None:
-        # No step layer to check against (e.g. RecoveryMiddleware in langchain's
-        # create_agent): the node that asked checks the decision when it resumes.
-        return answer
-    chosen = targets(snapshot.values, decision)  # InvalidDecision for a step that does not wait
-    if decision.action == "edit_args" and chosen:
-        _check_args(executor, chosen[0].get("using") or chosen[0].get("tool") or "", decision)
-    return answer
-
-
-def _check_args(executor: RecoveryExecutor, tool_name: str, decision: Decision) -> None:
-    """Validate edited arguments against the tool's schema before anything changes."""
-    tool = executor.tools.get(tool_name)
-    schema = getattr(tool, "args_schema", None)
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        try:
-            schema.model_validate(decision.args or {})
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            raise InvalidDecision(f"edit_args does not fit {tool_name}: {problems}") from exc
-
-
-def decide(
-    graph: Pregel[Any, Any],
-    thread_id: str,
-    decision: Decision | dict[str, Any] | str,
-    *,
-    config: RunnableConfig | None = None,
-    wait: bool = False,
-    **kwargs: Any,
-) -> Any:
-    """Answer a thread's takeover and continue it.
-
-    The decision is validated first; an invalid one, a thread that waits on nobody or the
-    same decision given twice raises and changes nothing. The answer addresses the pending
-    interrupt by id (never ``invoke(None)``, which can replay a stale answer). A decision
-    that names its takeover (``interrupt_id``, as the inbox and ``taskpilots decide
-    --takeover`` send it) is refused once that takeover is no longer pending, so an answer
-    sent twice never lands on the thread's next takeover.
-
-    Example:
-        >>> (request,) = tp.pending_takeovers(cp, thread_ids=["t-1"])  # doctest: +SKIP
-        >>> tp.decide(graph, "t-1", tp.Decision(action="provide_result", result="T-42",
-        ...                                     interrupt_id=request.interrupt_id))
-        ... # doctest: +SKIP
-
-    Raises:
-        InvalidDecision: The decision does not validate, names no waiting step, or names
-            no takeover while several are pending.
-        ThreadNotFound: The thread has no checkpoint.
-        StaleDecision: The takeover the decision names is no longer pending (answered
-            already); nothing changed. A subclass of ``NoPendingTakeover``.
-        NoPendingTakeover: Nobody is asked anything on that thread (any more).
-    """
-    parsed = parse_decision(decision)
-    cfg = _config(thread_id, config)
-    with _leased(graph, thread_id, wait):
-        cp = _saver(graph)
-        if cp.get_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        snapshot = graph.get_state(cfg)
-        command = _answer(graph, snapshot, thread_id, parsed)
-        if isinstance(cp, RecoveryAPI):
-            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return graph.invoke(command, cfg, **kwargs)
-
-
-async def adecide(
-    graph: Pregel[Any, Any],
-    thread_id: str,
-    decision: Decision | dict[str, Any] | str,
-    *,
-    config: RunnableConfig | None = None,
-    wait: bool = False,
-    **kwargs: Any,
-) -> Any:
-    """Async form of :func:`decide`."""
-    parsed = parse_decision(decision)
-    cfg = _config(thread_id, config)
-    async with _aleased(graph, thread_id, wait):
-        cp = _saver(graph)
-        if await cp.aget_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        snapshot = await graph.aget_state(cfg)
-        command = _answer(graph, snapshot, thread_id, parsed)
-        if isinstance(cp, RecoveryAPI):
-            event = await cp.aappend_event(
-                thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
-            )
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return await graph.ainvoke(command, cfg, **kwargs)
 
 
 # -- rewind ------------------------------------------------------------------------------------
@@ -566,9 +344,9 @@ def rewind(
         ThreadNotFound: The thread has no checkpoint.
         ConfigurationError: The target is neither a milestone nor a checkpoint of the thread.
     """
-    cfg = _config(thread_id, config)
-    with _leased(graph, thread_id, wait):
-        cp = _saver(graph)
+    cfg = thread_config(thread_id, config)
+    with leased_thread(graph, thread_id, wait):
+        cp = graph_saver(graph)
         if not isinstance(cp, RecoveryAPI):
             raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
         if cp.get_tuple(cfg) is None:
@@ -595,9 +373,9 @@ async def arewind(
     **kwargs: Any,
 ) -> Any:
     """Async form of :func:`rewind`."""
-    cfg = _config(thread_id, config)
-    async with _aleased(graph, thread_id, wait):
-        cp = _saver(graph)
+    cfg = thread_config(thread_id, config)
+    async with aleased_thread(graph, thread_id, wait):
+        cp = graph_saver(graph)
         if not isinstance(cp, RecoveryAPI):
             raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
         if await cp.aget_tuple(cfg) is None:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypedDict
 
 from langchain_core.messages import AnyMessage
-from langgraph.graph.message import add_messages
 
+from taskpilots_graph._messages import merge_messages
 from taskpilots_graph.checkpointers.messages import RecordMap
 from taskpilots_graph.window import MemoryState
 
@@ -134,14 +134,16 @@ class RecoveryState(TypedDict):
     """State of :func:`~taskpilots_graph.create_recovery_agent` graphs.
 
     Attributes:
-        messages: The conversation, merged with LangGraph's ``add_messages`` reducer.
+        messages: The conversation, merged as LangGraph's ``add_messages`` merges it (by
+            :func:`~taskpilots_graph._messages.merge_messages`, which appends without
+            re-indexing the whole conversation at every step).
         steps: The step layer, by tool-call id.
         flow: The flow layer.
         memory: What an earlier version kept of the turns its window removed from the
             state (read, never written now: the state keeps every message).
     """
 
-    messages: Annotated[list[AnyMessage], add_messages]
+    messages: Annotated[list[AnyMessage], merge_messages]
     steps: Annotated[dict[str, StepRecord], merge_steps]
     flow: Annotated[FlowState, merge_flow]
     memory: MemoryState

@@ -9,9 +9,11 @@ A scan looks at every thread of the graph's checkpointer:
   whose ``retry_at`` has passed, are resumed (in this process, or handed to a queue with
   ``dispatch=``, see :mod:`taskpilots_graph.workers`). A thread waiting on a person is left to
   the person.
-* **failure attribution**: every resume records *why* (:class:`Attribution`: thread, node,
-  step, tool, agent, failure kind) in the ``run_resumed`` event it appends; a thread whose
-  recovery keeps failing is given up on with a ``stuck_detected`` event naming the same.
+* **failure attribution**: every resume records *why*
+  (:class:`~taskpilots_graph.health.Attribution`: thread, node, step, tool, agent, failure
+  kind) in the ``run_resumed`` event it appends; a thread whose recovery keeps failing is
+  given up on with a ``stuck_detected`` event naming the same. What a scan sees and decides
+  is pure and lives in :mod:`taskpilots_graph.health`.
 
 Several supervisors may run at once: a resume happens under the thread's lease and
 re-checks, under it, that the thread still needs one, so each thread is resumed by exactly
@@ -22,9 +24,10 @@ With a supervisor running, start every run through the lease-holding runners
 a bare ``graph.invoke`` holds no lease, so its thread looks orphaned while it runs.
 
 Example:
-    >>> tp.supervise(graph, interval=5.0)             # forever, in this process
+    >>> from taskpilots_graph.supervisor import supervise
+    >>> supervise(graph, interval=5.0)             # forever, in this process
     ... # doctest: +SKIP
-    >>> report = tp.supervise(graph, once=True)       # one scan, e.g. from cron
+    >>> report = supervise(graph, once=True)       # one scan, e.g. from cron
     ... # doctest: +SKIP
 """
 
@@ -35,20 +38,18 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from enum import StrEnum
-from typing import Any, Final, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.pregel import Pregel
-from langgraph.types import StateSnapshot
 
 from taskpilots_graph import _clock
 from taskpilots_graph._thread_index import athread_index, thread_index
 from taskpilots_graph.agent import find_executor
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.config import Settings, open_graph
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.errors import (
     ConfigurationError,
     LockBackendUnavailable,
@@ -57,22 +58,25 @@ from taskpilots_graph.errors import (
     ToolWaiting,
 )
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
-from taskpilots_graph.nodes.executor import pending_calls
+from taskpilots_graph.health import (
+    Attribution,
+    HealthStatus,
+    ScanReport,
+    ThreadHealth,
+    needs_recovery,
+    resumed_payload,
+    thread_health,
+    unreadable_health,
+    with_effect_in_flight,
+)
+from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.nodes.think import resumed_config
-from taskpilots_graph.runner import _aleased, _config, _leased
-from taskpilots_graph.unfinished import has_work
+from taskpilots_graph.runner import aleased_thread, leased_thread, thread_config
 
 __all__ = [
-    "Attribution",
-    "ScanReport",
     "Supervisor",
-    "ThreadHealth",
-    "ThreadStatus",
     "arecover",
     "asupervise",
-    "needs_recovery",
     "recover",
     "serve_supervisor",
     "supervise",
@@ -80,234 +84,8 @@ __all__ = [
 
 _log: Final = logging.getLogger("taskpilots_graph.supervisor")
 
-Cause = Literal["worker_lost", "retry_due"]
 Dispatch = Callable[[str, "Attribution"], Any]
 """``dispatch(thread_id, attribution)``: hand a resume to a queue instead of running it here."""
-
-
-class ThreadStatus(StrEnum):
-    """What a scan found a thread doing."""
-
-    RUNNING = "running"  # a live worker holds its lease
-    IDLE = "idle"  # nothing left to do (finished, failed or closed)
-    TAKEOVER = "takeover"  # waits on a person's decision
-    WAITING = "waiting"  # parked in waiting_tool until retry_at
-    DUE = "due"  # parked in waiting_tool, and retry_at has passed
-    ORPHANED = "orphaned"  # work left and nobody holds its lease: its worker is gone
-    FAILING = "failing"  # its recovery failed too often at this checkpoint; given up on
-
-
-@dataclass(frozen=True, slots=True)
-class Attribution:
-    """Which failure a recovery answers: where the thread stood and what went wrong.
-
-    Attributes:
-        thread_id: The thread.
-        cause: ``"worker_lost"`` (work left, lease gone) or ``"retry_due"`` (a waited-out
-            tool failure is due again).
-        agent: The graph's name.
-        node: The node that was to run next (``act``, ``think``, ``wait``, ...).
-        step: The tool call id of the step concerned, if a tool step.
-        tool: The tool of that step (the one in use, after a degradation).
-        failure: ``"worker_lost"``, or the step's failure kind (``FailureKind`` value).
-        checkpoint_id: The checkpoint the thread stood at.
-    """
-
-    thread_id: str
-    cause: Cause
-    agent: str
-    node: str | None = None
-    step: str | None = None
-    tool: str | None = None
-    failure: str = "worker_lost"
-    checkpoint_id: str | None = None
-
-    def payload(self) -> dict[str, Any]:
-        """JSON form, as recorded in events and passed to queue jobs."""
-        return asdict(self)
-
-    @classmethod
-    def from_payload(cls, data: Mapping[str, Any]) -> Attribution:
-        """Rebuild from :meth:`payload` (e.g. in a queue worker).
-
-        Raises:
-            ConfigurationError: If ``data`` is not such a payload.
-        """
-        try:
-            return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
-        except TypeError as exc:
-            raise ConfigurationError(f"not an attribution payload: {dict(data)!r}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadHealth:
-    """One thread as a scan saw it.
-
-    Attributes:
-        thread_id: The thread.
-        status: What it is doing.
-        checkpoint_id: Its latest checkpoint.
-        holder: Owner token of its lease (``host:pid:random``) while ``RUNNING``.
-        retry_at: When a ``WAITING`` / ``DUE`` thread's tool is retried (epoch seconds).
-        attribution: For ``ORPHANED`` / ``DUE`` / ``WAITING`` / ``FAILING`` threads.
-        error: Why recovery kept failing (``FAILING``).
-    """
-
-    thread_id: str
-    status: ThreadStatus
-    checkpoint_id: str | None = None
-    holder: str | None = None
-    retry_at: float | None = None
-    attribution: Attribution | None = None
-    error: str | None = None
-
-    @property
-    def recoverable(self) -> bool:
-        """Whether the supervisor resumes it now."""
-        return self.status in (ThreadStatus.ORPHANED, ThreadStatus.DUE)
-
-
-@dataclass(frozen=True, slots=True)
-class ScanReport:
-    """What one supervisor tick found and did.
-
-    Attributes:
-        threads: Every thread's health.
-        resumed: Threads this supervisor resumed (a run happened).
-        dispatched: Threads handed to ``dispatch`` (a queue).
-        busy: Threads another runner took first (``ThreadBusy``).
-        failed: ``(thread_id, error)`` of resumes that raised.
-    """
-
-    threads: tuple[ThreadHealth, ...] = ()
-    resumed: tuple[str, ...] = ()
-    dispatched: tuple[str, ...] = ()
-    busy: tuple[str, ...] = ()
-    failed: tuple[tuple[str, str], ...] = ()
-
-    def count(self, status: ThreadStatus) -> int:
-        """How many threads have ``status``."""
-        return sum(1 for t in self.threads if t.status is status)
-
-    def summary(self) -> str:
-        """One line for logs: counts by status and what was done."""
-        counts = ", ".join(f"{s.value} {self.count(s)}" for s in ThreadStatus if self.count(s))
-        return (
-            f"{len(self.threads)} threads ({counts or 'none'}); resumed {len(self.resumed)}, "
-            f"dispatched {len(self.dispatched)}, busy {len(self.busy)}, failed {len(self.failed)}"
-        )
-
-
-# --- pure decisions ---------------------------------------------------------------------------
-
-
-def _checkpoint_id(snapshot: StateSnapshot) -> str | None:
-    value = (snapshot.config or {}).get("configurable", {}).get("checkpoint_id")
-    return str(value) if value is not None else None
-
-
-def _waiting(snapshot: StateSnapshot) -> tuple[float | None, Mapping[str, Any]]:
-    """(retry_at, the step waited for) if the thread is parked in ``waiting_tool``."""
-    values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
-    flow = values.get("flow") or {}
-    if flow.get("stage") != "waiting_tool":
-        return None, {}
-    steps = [s for s in (values.get("steps") or {}).values() if s.get("status") == "waiting_tool"]
-    due = [s for s in steps if s.get("retry_at")]
-    step = min(due, key=lambda s: float(s["retry_at"])) if due else {}
-    retry_at = flow.get("retry_at") or (step.get("retry_at") if step else None)
-    return (float(retry_at) if retry_at else None), step
-
-
-def needs_recovery(snapshot: StateSnapshot, now: float) -> bool:
-    """Whether an unleased thread in this state should be resumed at ``now``.
-
-    It should when work is left, no person is asked anything, and it is not parked in
-    ``waiting_tool`` with a ``retry_at`` still ahead.
-    """
-    if snapshot.interrupts or not has_work(snapshot):
-        return False
-    retry_at, _ = _waiting(snapshot)
-    return retry_at is None or retry_at <= now
-
-
-def _attribute(thread_id: str, snapshot: StateSnapshot, agent: str, cause: Cause) -> Attribution:
-    node = (
-        snapshot.next[0] if snapshot.next else (snapshot.tasks[0].name if snapshot.tasks else None)
-    )
-    checkpoint_id = _checkpoint_id(snapshot)
-    if cause == "retry_due":
-        _, step = _waiting(snapshot)
-        failure = (step.get("failure") or {}).get("kind") or "unknown"
-        return Attribution(
-            thread_id,
-            cause,
-            agent,
-            node,
-            step.get("tool_call_id"),
-            step.get("using") or step.get("tool"),
-            str(failure),
-            checkpoint_id,
-        )
-    values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
-    _, calls = pending_calls(values.get("messages") or [])
-    tool_step = calls[0] if calls and node in ("act", "recover", "wait") else None
-    return Attribution(
-        thread_id,
-        cause,
-        agent,
-        node,
-        tool_step["id"] if tool_step else None,
-        tool_step["name"] if tool_step else None,
-        "worker_lost",
-        checkpoint_id,
-    )
-
-
-def classify(thread_id: str, snapshot: StateSnapshot, *, agent: str, now: float) -> ThreadHealth:
-    """The health of a thread nobody holds the lease of (pure; the scan checks the lease)."""
-    checkpoint_id = _checkpoint_id(snapshot)
-    if snapshot.interrupts:
-        return ThreadHealth(thread_id, ThreadStatus.TAKEOVER, checkpoint_id)
-    if not has_work(snapshot):
-        return ThreadHealth(thread_id, ThreadStatus.IDLE, checkpoint_id)
-    retry_at, _ = _waiting(snapshot)
-    if retry_at is not None:
-        status = ThreadStatus.DUE if retry_at <= now else ThreadStatus.WAITING
-        why = _attribute(thread_id, snapshot, agent, "retry_due")
-        return ThreadHealth(thread_id, status, checkpoint_id, retry_at=retry_at, attribution=why)
-    why = _attribute(thread_id, snapshot, agent, "worker_lost")
-    return ThreadHealth(thread_id, ThreadStatus.ORPHANED, checkpoint_id, attribution=why)
-
-
-def _with_effect_in_flight(health: ThreadHealth, entries: Sequence[LedgerEntry]) -> ThreadHealth:
-    """``health`` naming the effect the lost worker was in, when its checkpoint cannot.
-
-    With a durability other than "sync", the checkpoint that shows the pending tool call may
-    not be on disk when the worker dies, while the ledger intent of the call always is: the
-    latest entry still ``intended`` names the tool and the step.
-    """
-    why = health.attribution
-    if why is None or why.cause != "worker_lost" or why.tool is not None:
-        return health
-    in_flight = [e for e in entries if e.status is LedgerStatus.INTENDED]
-    if not in_flight:
-        return health
-    entry = max(in_flight, key=lambda e: e.updated_at)
-    return replace(health, attribution=replace(why, step=entry.tool_call_id, tool=entry.tool))
-
-
-def _unreadable(thread_id: str, checkpoint_id: str, exc: Exception) -> ThreadHealth:
-    _log.error("cannot read thread %r: %s", thread_id, exc)
-    error = f"unreadable: {type(exc).__name__}: {exc}"[:2000]
-    return ThreadHealth(thread_id, ThreadStatus.FAILING, checkpoint_id, error=error)
-
-
-def _resumed_payload(snapshot: StateSnapshot, attribution: Attribution | None) -> dict[str, Any]:
-    payload: dict[str, Any] = {"next": list(snapshot.next), "by": "supervisor"}
-    if attribution is not None:
-        payload["attribution"] = attribution.payload()
-    return payload
 
 
 # --- resuming one thread ----------------------------------------------------------------------
@@ -334,14 +112,14 @@ def recover(
         ThreadBusy: Another runner holds the thread.
         LockBackendUnavailable: The lease backend is unreachable; nothing ran.
     """
-    cfg = _config(thread_id, config)
-    with _leased(graph, thread_id, False):
+    cfg = thread_config(thread_id, config)
+    with leased_thread(graph, thread_id, False):
         snapshot = graph.get_state(cfg)
         if not needs_recovery(snapshot, _clock.now()):
             return False
         cp = graph.checkpointer
         if isinstance(cp, RecoveryAPI):
-            payload = _resumed_payload(snapshot, attribution)
+            payload = resumed_payload(snapshot, attribution)
             event = cp.append_event(thread_id, EventKind.RUN_RESUMED, payload)
             cfg = resumed_config(cfg, event.seq, snapshot)
         # Parking again in waiting_tool until the next retry_at is a normal end of a run.
@@ -359,14 +137,14 @@ async def arecover(
     **kwargs: Any,
 ) -> bool:
     """Async form of :func:`recover`."""
-    cfg = _config(thread_id, config)
-    async with _aleased(graph, thread_id, False):
+    cfg = thread_config(thread_id, config)
+    async with aleased_thread(graph, thread_id, False):
         snapshot = await graph.aget_state(cfg)
         if not needs_recovery(snapshot, _clock.now()):
             return False
         cp = graph.checkpointer
         if isinstance(cp, RecoveryAPI):
-            payload = _resumed_payload(snapshot, attribution)
+            payload = resumed_payload(snapshot, attribution)
             event = await cp.aappend_event(thread_id, EventKind.RUN_RESUMED, payload)
             cfg = resumed_config(cfg, event.seq, snapshot)
         with contextlib.suppress(ToolWaiting):
@@ -397,7 +175,7 @@ class _Memo:
 # Verdicts that stay true until the thread gets a new checkpoint: kept between scans so a
 # scan re-reads only threads that moved. Re-read anyway after this long, in case a run
 # wrote to the same checkpoint without a new one (e.g. a decision whose run then crashed).
-_STABLE: Final = (ThreadStatus.IDLE, ThreadStatus.TAKEOVER, ThreadStatus.WAITING)
+_STABLE: Final = (HealthStatus.IDLE, HealthStatus.TAKEOVER, HealthStatus.WAITING)
 _RECHECK_S: Final = 60.0
 
 
@@ -451,7 +229,7 @@ class Supervisor:
         at, health = seen
         if health.checkpoint_id != checkpoint_id or time.monotonic() - at > _RECHECK_S:
             return None
-        waiting = health.status is ThreadStatus.WAITING and health.retry_at is not None
+        waiting = health.status is HealthStatus.WAITING and health.retry_at is not None
         if waiting and health.retry_at is not None and health.retry_at <= now:
             return None  # due now: re-read (a resume re-checks under the lease anyway)
         return health
@@ -470,7 +248,7 @@ class Supervisor:
         if failing.count >= self.max_failures:
             return ThreadHealth(
                 health.thread_id,
-                ThreadStatus.FAILING,
+                HealthStatus.FAILING,
                 health.checkpoint_id,
                 attribution=health.attribution,
                 error=failing.error,
@@ -523,17 +301,17 @@ class Supervisor:
             holder = self.leases.holder(thread_lease_name(thread_id))
             if holder is not None:
                 found.append(
-                    ThreadHealth(thread_id, ThreadStatus.RUNNING, checkpoint_id, holder.owner)
+                    ThreadHealth(thread_id, HealthStatus.RUNNING, checkpoint_id, holder.owner)
                 )
                 continue
             try:
-                snapshot = self.graph.get_state(_config(thread_id, None))
+                snapshot = self.graph.get_state(thread_config(thread_id, None))
             except Exception as exc:  # one unreadable thread must not blind the supervisor
-                found.append(_unreadable(thread_id, checkpoint_id, exc))
+                found.append(unreadable_health(thread_id, checkpoint_id, exc))
                 continue
-            health = classify(thread_id, snapshot, agent=self.agent, now=now)
-            if health.status is ThreadStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
-                health = _with_effect_in_flight(health, checkpointer.ledger(thread_id))
+            health = thread_health(thread_id, snapshot, agent=self.agent, now=now)
+            if health.status is HealthStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
+                health = with_effect_in_flight(health, checkpointer.ledger(thread_id))
             found.append(self._judged(health, now))
         return found
 
@@ -593,17 +371,17 @@ class Supervisor:
             holder = await self.leases.aholder(thread_lease_name(thread_id))
             if holder is not None:
                 found.append(
-                    ThreadHealth(thread_id, ThreadStatus.RUNNING, checkpoint_id, holder.owner)
+                    ThreadHealth(thread_id, HealthStatus.RUNNING, checkpoint_id, holder.owner)
                 )
                 continue
             try:
-                snapshot = await self.graph.aget_state(_config(thread_id, None))
+                snapshot = await self.graph.aget_state(thread_config(thread_id, None))
             except Exception as exc:  # one unreadable thread must not blind the supervisor
-                found.append(_unreadable(thread_id, checkpoint_id, exc))
+                found.append(unreadable_health(thread_id, checkpoint_id, exc))
                 continue
-            health = classify(thread_id, snapshot, agent=self.agent, now=now)
-            if health.status is ThreadStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
-                health = _with_effect_in_flight(health, await checkpointer.aledger(thread_id))
+            health = thread_health(thread_id, snapshot, agent=self.agent, now=now)
+            if health.status is HealthStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
+                health = with_effect_in_flight(health, await checkpointer.aledger(thread_id))
             found.append(self._judged(health, now))
         return found
 
@@ -763,6 +541,6 @@ def serve_supervisor(
         on_report: Called with each scan's report.
     """
     _check_interval(interval)
-    settings = Settings.resolve(db=db, leases=leases)
+    settings = StorageSettings.resolve(db=db, leases=leases)
     with open_graph(graph_ref, settings) as graph:
         return supervise(graph, interval=interval, once=once, stop=stop, on_report=on_report)

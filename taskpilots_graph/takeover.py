@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from taskpilots_graph.errors import InvalidDecision
+from taskpilots_graph.reprs import html_view
 
 __all__ = ["DECISION_ACTIONS", "DRIFT_ACTIONS", "Decision", "TakeoverRequest", "parse_decision"]
 
@@ -137,7 +138,6 @@ class TakeoverRequest(BaseModel):
         lines += [f"  {action}: {trigger}" for action, trigger in self.options.items()]
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
-        from taskpilots_graph.notebook.html import takeover_html
-
-        return takeover_html(self)
+    def _repr_html_(self) -> str | None:
+        # Drawn by the notebook package once imported (see taskpilots_graph.reprs).
+        return html_view(self)

@@ -28,10 +28,11 @@ whose flow says ``closed`` or ``failed`` but whose log shows a newer turn (a use
 after the last ``agent_finished``) is ``running``. Graphs without the recovery agent's
 ``flow`` channel get their status from the event log alone (:func:`status_from_events`).
 
-:func:`list_threads` enumerates thread ids by scanning ``checkpointer.list(None)``, i.e. every
-stored checkpoint, then describes each thread: fine for a CLI or a dashboard, not for a hot
-path. Threads with ledger entries but no checkpoint (durability ``"exit"`` and a crash) are
-listed too; threads that have only events are found only when named in ``thread_ids``.
+:func:`list_threads` finds the thread ids with one grouped query where the saver allows it
+(:mod:`taskpilots_graph._thread_index`), then describes each thread, reading its latest
+checkpoint, events and ledger: fine for a CLI or a dashboard, not for a hot path. Threads
+with ledger entries but no checkpoint (durability ``"exit"`` and a crash) are listed too;
+threads that have only events are found only when named in ``thread_ids``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ from typing import Any, Literal, cast
 
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph import _thread_index
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.base import skipping_corrupt_events
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError, ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
+from taskpilots_graph.reprs import html_view
 from taskpilots_graph.state import FlowState, StepRecord, merge_flow, merge_steps
 
 __all__ = [
@@ -58,14 +61,13 @@ __all__ = [
     "ThreadStatus",
     "aevents_for_listing",
     "alist_threads",
-    "ascan_thread_ids",
     "athread_info",
     "describe_thread",
     "events_for_listing",
     "list_threads",
+    "listed_thread_info",
     "recovery_api",
     "root_config",
-    "scan_thread_ids",
     "status_from_events",
     "thread_info",
     "undecided_uncertain",
@@ -185,10 +187,9 @@ class ThreadInfo:
             data[name] = value.isoformat() if value is not None else None
         return data
 
-    def _repr_html_(self) -> str:
-        from taskpilots_graph.notebook.html import thread_html
-
-        return thread_html(self)
+    def _repr_html_(self) -> str | None:
+        # Drawn by the notebook package once imported (see taskpilots_graph.reprs).
+        return html_view(self)
 
 
 def status_from_events(events: Sequence[Event]) -> ThreadStatus:
@@ -415,22 +416,6 @@ async def athread_info(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -
     return describe_thread(thread_id, found, events, await cp.aledger(thread_id))
 
 
-def scan_thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
-    """Every thread id with a checkpoint, in the saver's listing order (a full scan)."""
-    seen: dict[str, None] = {}
-    for item in checkpointer.list(None):
-        seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
-    return list(seen)
-
-
-async def ascan_thread_ids(checkpointer: BaseCheckpointSaver[Any]) -> list[str]:
-    """Async form of :func:`scan_thread_ids`."""
-    seen: dict[str, None] = {}
-    async for item in checkpointer.alist(None):
-        seen.setdefault(str(item.config["configurable"]["thread_id"]), None)
-    return list(seen)
-
-
 def events_for_listing(cp: RecoveryAPI, thread_id: str) -> tuple[list[Event], tuple[str, ...]]:
     """The thread's events for a listing, and the keys of corrupt rows left out.
 
@@ -474,13 +459,15 @@ def _reported(thread_id: str, skipped: Sequence[CorruptRecordError]) -> tuple[st
     return keys
 
 
-def _listed(
+def listed_thread_info(
     thread_id: str,
     found: CheckpointTuple | None,
     events: Sequence[Event],
     ledger: Sequence[LedgerEntry],
     corrupt: tuple[str, ...],
 ) -> ThreadInfo:
+    """:func:`describe_thread` for a listing: the keys of corrupt event rows left out of
+    ``events`` are reported, and a thread whose only events were corrupt is still listed."""
     if not corrupt:
         return describe_thread(thread_id, found, events, ledger)
     try:
@@ -495,8 +482,8 @@ def list_threads(
 ) -> list[ThreadInfo]:
     """Describe every thread of the store (or the ones named), sorted by thread id.
 
-    Without ``thread_ids`` the ids come from a scan of ``checkpointer.list(None)``. An event
-    row that cannot be decoded is skipped, logged and reported in the thread's
+    Without ``thread_ids``: every thread with a checkpoint or a ledger entry. An event row
+    that cannot be decoded is skipped, logged and reported in the thread's
     ``corrupt_events``: one bad row never fails the listing of the whole store.
 
     Raises:
@@ -507,12 +494,12 @@ def list_threads(
         ids = list(thread_ids)
     else:
         ledger = cp.ledger(None)
-        ids = [*scan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
+        ids = [*_thread_index.thread_ids(checkpointer), *(e.thread_id for e in ledger)]
     infos = []
     for thread_id in sorted(dict.fromkeys(ids)):
         found = cp.get_tuple(root_config(thread_id))
         events, corrupt = events_for_listing(cp, thread_id)
-        infos.append(_listed(thread_id, found, events, cp.ledger(thread_id), corrupt))
+        infos.append(listed_thread_info(thread_id, found, events, cp.ledger(thread_id), corrupt))
     return infos
 
 
@@ -525,10 +512,12 @@ async def alist_threads(
         ids = list(thread_ids)
     else:
         ledger = await cp.aledger(None)
-        ids = [*await ascan_thread_ids(checkpointer), *(e.thread_id for e in ledger)]
+        ids = [*await _thread_index.athread_ids(checkpointer), *(e.thread_id for e in ledger)]
     infos = []
     for thread_id in sorted(dict.fromkeys(ids)):
         found = await cp.aget_tuple(root_config(thread_id))
         events, corrupt = await aevents_for_listing(cp, thread_id)
-        infos.append(_listed(thread_id, found, events, await cp.aledger(thread_id), corrupt))
+        infos.append(
+            listed_thread_info(thread_id, found, events, await cp.aledger(thread_id), corrupt)
+        )
     return infos

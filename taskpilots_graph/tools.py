@@ -79,7 +79,8 @@ def current_invocation() -> Invocation:
 
 _LEDGER_RUNNERS = (
     "use tp.ToolNode(tools) instead of LangGraph's ToolNode in your own graph, "
-    "tp.RecoveryExecutor(tools) as its tools node, tp.create_recovery_agent(...), or "
+    "taskpilots_graph.nodes.RecoveryExecutor(tools) as its tools node, "
+    "tp.create_recovery_agent(...), or "
     "tp.RecoveryMiddleware(cp) in create_agent(..., middleware=[...]); compile or create "
     "the graph with a tp.RecoveryCheckpointer"
 )

@@ -47,10 +47,11 @@ from langchain_core.tools import BaseTool
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine import AsyncDriver, CallContext, Driver, call_context
+from taskpilots_graph.engine._protocol import settle_orphan
 from taskpilots_graph.errors import PendingTakeover, ToolWaiting
-from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.events import Event, EventKind, EventRecord, prepare_event
 from taskpilots_graph.ledger import (
     PAUSED,
     LedgerEntry,
@@ -59,14 +60,7 @@ from taskpilots_graph.ledger import (
     SideEffectUncertain,
     runner_of,
 )
-from taskpilots_graph.nodes._protocol import (
-    CallContext,
-    RunPrecheck,
-    WriteEntry,
-    WriteEvent,
-    settle_orphan,
-)
-from taskpilots_graph.nodes.executor import acall_precheck, call_precheck, pending_calls
+from taskpilots_graph.nodes.executor import pending_calls
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.tools import spec_of
 
@@ -126,15 +120,24 @@ def orphan_intents(entries: Sequence[LedgerEntry]) -> list[LedgerEntry]:
 
 def _orphan_context(entry: LedgerEntry, spec: SideEffectSpec) -> CallContext:
     """The call an orphan intent was made for, as the protocol knows calls."""
-    return CallContext(
+    return call_context(
         thread_id=entry.thread_id,
         checkpoint_ns=entry.checkpoint_ns,
         tool=entry.tool,
-        args=dict(entry.args),
+        args=entry.args,
         tool_call_id=entry.tool_call_id,
         spec=spec,
         key=entry.key,
     )
+
+
+# The entry's status after :func:`settle_orphan` returned each label (it writes it once).
+_SETTLED = {
+    "done": LedgerStatus.COMMITTED,
+    "uncertain": LedgerStatus.UNCERTAIN,
+    "not_done": LedgerStatus.FAILED,
+    "unknown_idempotent": LedgerStatus.FAILED,
+}
 
 
 def _orphans(
@@ -146,7 +149,7 @@ def _orphans(
     if not orphans:
         return []
     if tools is None:
-        from taskpilots_graph.drills import graph_tools
+        from taskpilots_graph.tool_tables import graph_tools
 
         tools = graph_tools(graph)
     return [(e, spec_of(t) if (t := tools.get(e.tool)) is not None else None) for e in orphans]
@@ -170,29 +173,10 @@ def reconcile_orphans(
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
-        ctx = _orphan_context(entry, spec)
-        gen = settle_orphan(ctx, entry)
-        pending: list[EventRecord] = []
-        value: Any = None
-        status = entry.status
-        while True:
-            try:
-                request = gen.send(value)
-            except StopIteration as stop:
-                label: str = stop.value
-                break
-            value = None
-            if isinstance(request, RunPrecheck):
-                value = call_precheck(ctx, request)
-            elif isinstance(request, WriteEvent):
-                pending.append(request.event)
-            elif isinstance(request, WriteEntry):
-                cp.write_ledger(
-                    request.entry, expect=request.expect, events=[*pending, request.event]
-                )
-                pending.clear()
-                status = request.entry.status
-        outcomes.append(OrphanOutcome(entry.key, entry.tool, status, label))
+        # Nothing runs and no intent is written: no tool, lease or lock is involved.
+        driver = Driver(cp, thread_id, cp.lease_backend, 30.0, None)
+        label = driver.drive(settle_orphan(_orphan_context(entry, spec), entry))
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, _SETTLED[label], label))
     return outcomes
 
 
@@ -205,29 +189,9 @@ async def areconcile_orphans(
         if spec is None:
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
-        ctx = _orphan_context(entry, spec)
-        gen = settle_orphan(ctx, entry)
-        pending: list[EventRecord] = []
-        value: Any = None
-        status = entry.status
-        while True:
-            try:
-                request = gen.send(value)
-            except StopIteration as stop:
-                label: str = stop.value
-                break
-            value = None
-            if isinstance(request, RunPrecheck):
-                value = await acall_precheck(ctx, request)
-            elif isinstance(request, WriteEvent):
-                pending.append(request.event)
-            elif isinstance(request, WriteEntry):
-                await cp.awrite_ledger(
-                    request.entry, expect=request.expect, events=[*pending, request.event]
-                )
-                pending.clear()
-                status = request.entry.status
-        outcomes.append(OrphanOutcome(entry.key, entry.tool, status, label))
+        driver = AsyncDriver(cp, thread_id, cp.alease_backend, 30.0, None)
+        label = await driver.drive(settle_orphan(_orphan_context(entry, spec), entry))
+        outcomes.append(OrphanOutcome(entry.key, entry.tool, _SETTLED[label], label))
     return outcomes
 
 

@@ -33,10 +33,11 @@ from typing import Any, Final
 from langchain_core.runnables import RunnableConfig
 from langgraph.pregel import Pregel
 
-from taskpilots_graph.config import Settings, open_graph
+from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.errors import ConfigurationError, StorageError, ThreadBusy, ToolWaiting
-from taskpilots_graph.runner import _config, _leased
-from taskpilots_graph.supervisor import Attribution, ScanReport, Supervisor, recover
+from taskpilots_graph.health import Attribution, ScanReport
+from taskpilots_graph.runner import leased_thread, thread_config
+from taskpilots_graph.supervisor import Supervisor, recover
 
 try:
     import procrastinate
@@ -55,7 +56,7 @@ __all__ = [
     "aenqueue",
     "aenqueue_resume",
     "aretry_stalled_jobs",
-    "create_app",
+    "create_worker_app",
     "enqueue",
     "enqueue_resume",
     "serve_queue_supervisor",
@@ -83,7 +84,7 @@ _log: Final = logging.getLogger("taskpilots_graph.workers")
 
 
 def _postgres(db_url: str | None) -> str:
-    settings = Settings.resolve(db=db_url)
+    settings = StorageSettings.resolve(db=db_url)
     if not settings.postgres:
         raise ConfigurationError(
             "the workers' queue lives in PostgreSQL: pass a postgresql:// URL or set "
@@ -92,7 +93,7 @@ def _postgres(db_url: str | None) -> str:
     return settings.db_url
 
 
-def create_app(db_url: str | None = None, *, pool_size: int = 4) -> procrastinate.App:
+def create_worker_app(db_url: str | None = None, *, pool_size: int = 4) -> procrastinate.App:
     """A procrastinate app on the runs database, with the run and supervise tasks registered.
 
     Open it (``with app.open():`` or ``async with app.open_async():``) to enqueue;
@@ -151,7 +152,7 @@ def _resume_options(thread_id: str) -> dict[str, Any]:
 
 
 def _input_kwargs(graph_ref: str, thread_id: str, input: Any) -> dict[str, Any]:
-    _config(thread_id, None)  # validates the thread id
+    thread_config(thread_id, None)  # validates the thread id
     marker = secrets.token_hex(12)
     return {"graph": graph_ref, "thread_id": thread_id, "input": input, "marker": marker}
 
@@ -159,7 +160,7 @@ def _input_kwargs(graph_ref: str, thread_id: str, input: Any) -> dict[str, Any]:
 def _resume_kwargs(
     graph_ref: str, thread_id: str, attribution: Attribution | None
 ) -> dict[str, Any]:
-    _config(thread_id, None)
+    thread_config(thread_id, None)
     why = attribution.payload() if attribution is not None else None
     return {"graph": graph_ref, "thread_id": thread_id, "attribution": why}
 
@@ -281,14 +282,14 @@ def _input_taken(graph: Pregel[Any, Any], thread_id: str, marker: str) -> bool:
     cp = graph.checkpointer
     if cp is None or isinstance(cp, bool):
         return False
-    found = cp.list(_config(thread_id, None), filter={INPUT_MARKER: marker}, limit=1)
+    found = cp.list(thread_config(thread_id, None), filter={INPUT_MARKER: marker}, limit=1)
     return next(iter(found), None) is not None
 
 
 def _start(hosted: _Hosted, thread_id: str, input: Any, marker: str) -> str:
     graph = hosted.graph
-    cfg: RunnableConfig = _config(thread_id, {"metadata": {INPUT_MARKER: marker}})
-    with _leased(graph, thread_id, False):  # ThreadBusy: procrastinate retries the job
+    cfg: RunnableConfig = thread_config(thread_id, {"metadata": {INPUT_MARKER: marker}})
+    with leased_thread(graph, thread_id, False):  # ThreadBusy: procrastinate retries the job
         if not _input_taken(graph, thread_id, marker):
             try:
                 graph.invoke(input, cfg)
@@ -394,8 +395,8 @@ def serve_worker(
     """
     if not 0 < heartbeat < stalled_after:
         raise ConfigurationError("heartbeat must be > 0 and below stalled_after")
-    settings = Settings.resolve(db=db, leases=leases)
-    app = create_app(settings.db_url, pool_size=max(2, concurrency + 2))
+    settings = StorageSettings.resolve(db=db, leases=leases)
+    app = create_worker_app(settings.db_url, pool_size=max(2, concurrency + 2))
     setup_queue(settings.db_url)
     if supervise_every is not None:
         app.periodic(
@@ -445,8 +446,8 @@ def serve_queue_supervisor(
     """
     if not interval > 0:
         raise ConfigurationError(f"interval must be > 0 seconds, got {interval!r}")
-    settings = Settings.resolve(db=db, leases=leases)
-    app = create_app(settings.db_url)
+    settings = StorageSettings.resolve(db=db, leases=leases)
+    app = create_worker_app(settings.db_url)
     setup_queue(settings.db_url)
 
     async def loop() -> ScanReport:

@@ -25,6 +25,7 @@ import taskpilots_graph as tp
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.middleware import RecoveryMiddleware
+from taskpilots_graph.tools import SideEffectTool
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _models import PlanModel
@@ -65,7 +66,7 @@ def build_agent(mode: str, cp: Any, services: Services, *, precheck: bool = True
         raise SystemExit(f"unknown mode {mode!r}; use 'recovery' or 'retry'")
     model = PlanModel(plan=[("open_ticket", {"subject": "$msg"})])
     ticket = ticket_tool(services, precheck=precheck)
-    if mode == "retry" and isinstance(ticket, tp.SideEffectTool):
+    if mode == "retry" and isinstance(ticket, SideEffectTool):
         # Without the ledger a declared tool refuses to run: the comparison gets the tool as
         # a create_agent user without taskpilots has it, undeclared.
         ticket = ticket.tool

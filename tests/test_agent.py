@@ -34,18 +34,17 @@ from taskpilots_graph import (
     NotDone,
     PendingTakeover,
     RecoveryCheckpointer,
-    SideEffectTool,
-    ThreadNotFound,
     aresume,
     create_recovery_agent,
     current_invocation,
     resume,
     side_effect,
 )
+from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.ledger import PrecheckOutcome, args_digest, default_key
 from taskpilots_graph.nodes._context import messages_digest
 from taskpilots_graph.policy import ModelPolicy
-from taskpilots_graph.tools import spec_of
+from taskpilots_graph.tools import SideEffectTool, spec_of
 
 GOAL = "look up customer c-7, then charge order o-1"
 LOOKUP = ("lookup", {"customer": "c-7"})

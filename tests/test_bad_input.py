@@ -30,18 +30,15 @@ from langgraph.graph import START, MessagesState, StateGraph
 from test_cli import assert_one_line_error, fill, invoke
 
 import taskpilots_graph as tp
-from taskpilots_graph.checkpointers.base import (
-    MAX_THREAD_ID_BYTES,
-    parse_conn_string,
-    prepare_event,
-)
+from taskpilots_graph._thread_index import thread_ids
+from taskpilots_graph.checkpointers.base import parse_conn_string
 from taskpilots_graph.errors import (
     ConfigurationError,
     CorruptRecordError,
     StorageBusy,
 )
+from taskpilots_graph.events import MAX_THREAD_ID_BYTES, prepare_event
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.threads import scan_thread_ids
 
 TYPOS = [
     "postgresql:/postgres@127.0.0.1/db",
@@ -303,7 +300,7 @@ def test_odd_thread_ids_are_refused_before_any_write(cp: Any, name: str) -> None
     for attempt in attempts:
         with pytest.raises(ConfigurationError, match="thread_id"):
             attempt()
-    assert scan_thread_ids(cp) == []  # no orphan checkpoint
+    assert thread_ids(cp) == []  # no orphan checkpoint
     assert cp.ledger() == []
     assert _recorded(cp, "good") == before
 
@@ -314,7 +311,7 @@ def test_longest_thread_id_is_stored(cp: Any) -> None:
     _echo_graph(cp).invoke({"messages": []}, {"configurable": {"thread_id": longest}})
     cp.append_event(longest, "agent_started", {})
     cp.write_ledger(_entry(longest), expect=None)
-    assert scan_thread_ids(cp) == [longest]
+    assert thread_ids(cp) == [longest]
     assert [e.thread_id for e in cp.ledger()] == [longest]
     with pytest.raises(ConfigurationError, match="bytes"):
         cp.append_event(longest + "x", "agent_started", {})

@@ -25,7 +25,7 @@ from taskpilots_graph.checkpointers.density import CheckpointDensity
 from taskpilots_graph.checkpointers.retention import PruneReport
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
 from taskpilots_graph.events import EventKind
-from taskpilots_graph.locks.base import thread_lease_name
+from taskpilots_graph.leases import thread_lease_name
 from taskpilots_graph.locks.memory import MemoryLeaseBackend
 from taskpilots_graph.window import ObservationPolicy
 

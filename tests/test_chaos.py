@@ -35,11 +35,11 @@ import redis
 from _worker_graph import LATENCY_ENV, LEASE_TTL_ENV, SERVICES_ENV
 
 import taskpilots_graph as tp
-from taskpilots_graph.config import Settings, open_graph
+from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.demo.batch import make_batch, thread_id
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.supervisor import Supervisor
-from taskpilots_graph.workers import create_app, enqueue, setup_queue
+from taskpilots_graph.workers import create_worker_app, enqueue, setup_queue
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
 
@@ -193,7 +193,7 @@ def test_four_workers_and_a_supervisor_survive_random_sigkills(
     with tp.RecoveryCheckpointer.from_conn_string(fleet.db) as cp:
         cp.setup()
     began = time.monotonic()
-    app = create_app(fleet.db)
+    app = create_worker_app(fleet.db)
     with app.open():
         for ticket in tickets:
             message = {"role": "user", "content": json.dumps(ticket)}
@@ -208,7 +208,7 @@ def test_four_workers_and_a_supervisor_survive_random_sigkills(
 
     kills: list[tuple[float, int, str | None]] = []
     client = redis.Redis.from_url(fleet.leases)
-    with open_graph(GRAPH, Settings(fleet.db, fleet.leases)) as graph:
+    with open_graph(GRAPH, StorageSettings(fleet.db, fleet.leases)) as graph:
         observer = Supervisor(graph)  # only its read-only health check is used here
         next_kill = time.monotonic() + rng.uniform(*KILL_EVERY_S)
         settled, counts = False, {}

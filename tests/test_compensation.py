@@ -39,8 +39,8 @@ import taskpilots_graph as tp
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.errors import ConfigurationError, EffectInProgress, InvalidDecision
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.leases import thread_lease_name
 from taskpilots_graph.ledger import CompensationUncertain, LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import thread_lease_name
 from taskpilots_graph.nodes._undo import UNDO_OF, is_undo, undo_key
 from taskpilots_graph.nodes.compensate import (
     ABANDONED,

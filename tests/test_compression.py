@@ -27,19 +27,18 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from taskpilots_graph import (
     AsyncRecoveryCheckpointer,
     ConfigurationError,
-    CorruptRecordError,
     Event,
     EventKind,
     RecoveryCheckpointer,
 )
-from taskpilots_graph.compression import (
+from taskpilots_graph.compaction import (
     COMPACTED_KEY,
     DEFAULT_PROTECTED_KINDS,
     LEDGER_FIELDS,
     compact_events,
-    compress_observation,
-    structural_summary,
 )
+from taskpilots_graph.compression import compress_observation, structural_summary
+from taskpilots_graph.errors import CorruptRecordError
 
 # --- helpers ----------------------------------------------------------------------------------
 

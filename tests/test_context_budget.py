@@ -452,3 +452,57 @@ def test_the_step_budget_counts_alike_on_growing_and_unrelated_conversations() -
     rng.shuffle(conversations[len(conversations) // 2 :])  # unrelated ones in between
     for messages in conversations:
         assert decisions_this_turn(messages, None) == full_scan(messages)
+
+
+class _CountedReads(list[Any]):
+    """A conversation that counts the messages read from it one by one."""
+
+    reads = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int):
+            self.reads += 1
+        return super().__getitem__(key)
+
+
+def _turn(n: int) -> list[Any]:
+    call = {"name": "t", "args": {"n": n}, "id": f"turn-{n}"}
+    return [AIMessage("", tool_calls=[call]), ToolMessage("r", tool_call_id=f"turn-{n}")]
+
+
+def test_with_a_prompt_the_validity_check_reads_only_the_new_turn() -> None:
+    """The prompt's system message is new at every model call; the check of the
+    conversation behind it still reads only the messages added since the last call."""
+    conversation: list[Any] = [HumanMessage("go")]
+    reads = []
+    for n in range(60):
+        conversation = [*conversation, *_turn(n)]
+        counted = _CountedReads([SystemMessage("the prompt"), *conversation])
+        assert valid_conversation(counted) == list(counted)
+        reads.append(counted.reads)
+    assert max(reads[1:]) <= 6  # the system message, the first after it, the new turn
+
+
+def test_leading_system_messages_never_hide_a_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversations behind one or more system messages built anew at every call: faults
+    after a remembered valid prefix are still repaired, as a full check repairs them."""
+    import random
+
+    import taskpilots_graph.conversation as conversation
+
+    rng = random.Random(11)
+    checked = []
+    for _ in range(200):
+        grown: list[Any] = [HumanMessage("go")]
+        for n in range(10):
+            grown = [*grown, *_turn(n)]
+            if rng.random() < 0.2:
+                grown = [*grown, ToolMessage("stray", tool_call_id=f"turn-{n}")]
+            if rng.random() < 0.1:
+                grown = [*grown, AIMessage("", tool_calls=[{"name": "t", "args": {}, "id": "x"}])]
+            heads = [SystemMessage(f"prompt {k}") for k in range(rng.randint(0, 2))]
+            checked.append([*heads, *grown])
+    fast = [valid_conversation(m) for m in checked]
+    assert any(len(f) != len(m) for f, m in zip(fast, checked, strict=True))  # some repaired
+    monkeypatch.setattr(conversation, "_answered", lambda messages: False)
+    assert fast == [valid_conversation(m) for m in checked]

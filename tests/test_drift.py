@@ -23,7 +23,8 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
 from taskpilots_graph.drift import detect_drift, difference, result_digest
-from taskpilots_graph.errors import ResultDrifted
+from taskpilots_graph.errors import InvalidDecision, ResultDrifted
+from taskpilots_graph.failures import classify
 from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.takeover import DRIFT_ACTIONS
 
@@ -234,7 +235,7 @@ def test_accept_is_refused_where_nothing_drifted() -> None:
         "steps": {"c1": {"tool_call_id": "c1", "status": "awaiting_human", "failure": {}}},
     }
 
-    with pytest.raises(tp.InvalidDecision, match="accept keeps a drifted result"):
+    with pytest.raises(InvalidDecision, match="accept keeps a drifted result"):
         targets(state, tp.Decision(action="accept"))
 
 
@@ -258,7 +259,7 @@ def test_result_drifted_pickles_and_is_data_uncertain() -> None:
     exc = ResultDrifted(tool="t", tool_call_id="c", drift={"difference": ["x: 1 → 2"]}, result=2)
     back = pickle.loads(pickle.dumps(exc))
     assert (back.tool, back.result, str(back)) == ("t", 2, str(exc))
-    assert tp.classify(exc).kind is tp.FailureKind.DATA_UNCERTAIN
+    assert classify(exc).kind is tp.FailureKind.DATA_UNCERTAIN
 
 
 async def test_async_driver_detects_the_drift_and_accept_continues(tmp_path: Path) -> None:

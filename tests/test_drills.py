@@ -22,7 +22,11 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.agent import check_retry_owner
+from taskpilots_graph.errors import ToolWaiting
+from taskpilots_graph.nodes import RecoveryExecutor
 from taskpilots_graph.policy import Backoff, ToolPolicy
+from taskpilots_graph.state import RecoveryState
 
 FAST = Backoff(initial=1.0, multiplier=2.0, max_delay=8.0, jitter=False)
 
@@ -102,7 +106,7 @@ def test_drill_b_committed_effect_then_outage_repeats_nothing(cp: tp.RecoveryChe
         default_policy=policy,
     )
     with testing.fake_clock() as clock:
-        with pytest.raises(tp.ToolWaiting) as waiting:
+        with pytest.raises(ToolWaiting) as waiting:
             run(graph)
         assert graph.get_state({"configurable": {"thread_id": "t"}}).values["flow"]["stage"] == (
             "waiting_tool"
@@ -113,7 +117,7 @@ def test_drill_b_committed_effect_then_outage_repeats_nothing(cp: tp.RecoveryChe
             try:
                 result = tp.resume(graph, "t")
                 break
-            except tp.ToolWaiting as again:
+            except ToolWaiting as again:
                 clock.advance(again.retry_at - clock.now())
 
     assert result["messages"][-1].content == "done"
@@ -321,13 +325,13 @@ def test_langgraph_retry_policy_on_a_recovery_node_is_refused() -> None:
     from langgraph.types import RetryPolicy
 
     with tp.RecoveryCheckpointer.from_conn_string(":memory:") as cp:
-        act = tp.RecoveryExecutor([read_tool("kb_search")], checkpointer=cp)
-        builder = StateGraph(tp.RecoveryState)
+        act = RecoveryExecutor([read_tool("kb_search")], checkpointer=cp)
+        builder = StateGraph(RecoveryState)
         builder.add_node("act", RunnableLambda(act.invoke), retry_policy=RetryPolicy())
         builder.add_edge("__start__", "act")
         with pytest.raises(tp.ConfigurationError, match="one layer owns retries"):
-            tp.check_retry_owner(builder)
-        plain = StateGraph(tp.RecoveryState)
+            check_retry_owner(builder)
+        plain = StateGraph(RecoveryState)
         plain.add_node("act", RunnableLambda(act.invoke))
         plain.add_edge("__start__", "act")
-        tp.check_retry_owner(plain.compile())  # without a retry policy: fine
+        check_retry_owner(plain.compile())  # without a retry policy: fine

@@ -43,12 +43,12 @@ from langgraph.graph import END, START, StateGraph
 from taskpilots_graph import (
     AsyncRecoveryCheckpointer,
     ConfigurationError,
-    CorruptRecordError,
     Event,
     EventKind,
     RecoveryCheckpointer,
 )
 from taskpilots_graph.checkpointers._schema import SCHEMA_VERSION
+from taskpilots_graph.errors import CorruptRecordError
 from taskpilots_graph.events import MAX_PAYLOAD_BYTES
 
 WRITERS = 4

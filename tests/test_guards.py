@@ -38,6 +38,7 @@ from langchain_core.tools import BaseTool, StructuredTool
 import taskpilots_graph as tp
 from taskpilots_graph import RecoveryCheckpointer
 from taskpilots_graph.demo.services import Services
+from taskpilots_graph.errors import EffectInProgress, NoPendingTakeover
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, args_digest
 from taskpilots_graph.locks import SqliteLeaseBackend, business_lock_name, thread_lease_name
 
@@ -218,7 +219,7 @@ def _decide_racer(db: str, services_path: str, markers: str, barrier: Any) -> li
                 outcomes.append("ran")
             except tp.ThreadBusy:
                 outcomes.append("busy")
-            except tp.NoPendingTakeover:
+            except NoPendingTakeover:
                 outcomes.append("answered")  # the other one was quicker and done already
     return outcomes
 
@@ -350,7 +351,7 @@ def test_live_intent_past_the_wait_raises_effect_in_progress(
     _live_owner(sqlite_cp, "o1")
     counter = Counter(done="refund-by-precheck")
     graph = _refund_agent(sqlite_cp, counter, lease_ttl=0.5)
-    with pytest.raises(tp.EffectInProgress) as busy:
+    with pytest.raises(EffectInProgress) as busy:
         graph.invoke(_go(), _on("waiter"))
     assert (busy.value.key, busy.value.tool, busy.value.owner_thread) == (
         "refund:o1",
@@ -651,9 +652,7 @@ def test_lease_of_a_killed_worker_on_this_machine_is_taken_over(db: str) -> None
 def test_a_conflict_on_the_commit_says_the_run_performed_the_effect() -> None:
     """The protocol, driven by hand: another run moves the entry while our call runs, so
     our commit is refused. The error must not claim the effect was not performed."""
-    from taskpilots_graph.errors import LedgerConflict
-    from taskpilots_graph.ledger import SideEffectSpec
-    from taskpilots_graph.nodes._protocol import (
+    from taskpilots_graph.engine._protocol import (
         CallContext,
         CheckArgs,
         FindRepeat,
@@ -661,6 +660,8 @@ def test_a_conflict_on_the_commit_says_the_run_performed_the_effect() -> None:
         WriteEntry,
         run_call,
     )
+    from taskpilots_graph.errors import LedgerConflict
+    from taskpilots_graph.ledger import SideEffectSpec
 
     ctx = CallContext(
         thread_id="t",

@@ -17,7 +17,8 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
-from taskpilots_graph.web.view import TWICE, TakeoverView, graph_tools, takeover_view
+from taskpilots_graph.tool_tables import graph_tools
+from taskpilots_graph.web.view import TWICE, TakeoverView, takeover_view
 
 THREAD = "t-view"
 

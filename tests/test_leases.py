@@ -29,6 +29,7 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
 from taskpilots_graph import RecoveryCheckpointer, testing
+from taskpilots_graph.errors import LeaseLost, LockBackendUnavailable, ToolWaiting
 from taskpilots_graph.locks import (
     LeaseBackend,
     RedisLeaseBackend,
@@ -257,7 +258,7 @@ def test_side_effect_fails_closed_while_the_business_lock_is_held(
     other = leases.acquire(REFUND_LOCK, "other-agent", 30)
     assert other is not None
     with testing.fake_clock() as clock:
-        with pytest.raises(tp.ToolWaiting) as waiting:
+        with pytest.raises(ToolWaiting) as waiting:
             tp.run(graph, "t", _go())
         assert refunds.at == []
         assert cp.ledger("t") == []  # not even an intent: nothing happened
@@ -293,7 +294,7 @@ def test_lock_without_lease_backend_is_enforced_in_the_checkpointers_database(
     other = leases.acquire(REFUND_LOCK, "other-agent", 30)  # same file, another owner
     assert other is not None
     with testing.fake_clock() as clock:
-        with pytest.raises(tp.ToolWaiting) as waiting:
+        with pytest.raises(ToolWaiting) as waiting:
             tp.run(graph, "t", _go())
         assert refunds.at == []
         assert cp.ledger("t") == []
@@ -309,7 +310,7 @@ def test_lock_without_lease_backend_is_enforced_in_the_checkpointers_database(
 
 def test_lock_name_split() -> None:
     """Split on the last ':'; without one the whole name is the object, the tool the operation."""
-    from taskpilots_graph.nodes._locks import lock_target
+    from taskpilots_graph.engine._locks import lock_target
 
     assert lock_target("order-42:refund", "t") == ("order-42", "refund")
     assert lock_target("tenant:a:order-42:refund", "t") == ("tenant:a:order-42", "refund")
@@ -372,7 +373,7 @@ def test_lost_thread_lease_stops_the_run_before_the_next_effect(
         leases=leases,
         lease_ttl=0.3,
     )
-    with pytest.raises(tp.LeaseLost):
+    with pytest.raises(LeaseLost):
         tp.run(graph, "t", _go())
     assert refunds.at == []
     assert cp.ledger("t") == []  # stopped before the intent
@@ -441,7 +442,7 @@ def test_redis_outage_mid_run_fails_closed_then_resume_completes_once(
             default_policy=PARK,
         )
         with testing.fake_clock() as clock:
-            with pytest.raises(tp.ToolWaiting) as waiting:
+            with pytest.raises(ToolWaiting) as waiting:
                 tp.run(graph, "t", _go())
             assert refunds.at == []  # never unlocked
             assert cp.ledger("t") == []
@@ -450,7 +451,7 @@ def test_redis_outage_mid_run_fails_closed_then_resume_completes_once(
             assert refund["status"] == "waiting_tool"
             assert refund["failure"]["kind"] == "external_outage"
             assert refund["failure"]["error_type"].endswith("LockBackendUnavailable")
-            with pytest.raises(tp.LockBackendUnavailable):
+            with pytest.raises(LockBackendUnavailable):
                 tp.resume(graph, "t")  # cannot even take the thread lease: nothing runs
 
             own_redis.start()

@@ -31,9 +31,9 @@ from langchain_core.tools import BaseTool, InjectedToolCallId, Tool, tool
 from pydantic import BaseModel, ValidationError, field_validator
 
 import taskpilots_graph as tp
+from taskpilots_graph.engine._protocol import may_have_reached_service
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus, SideEffectSpec
-from taskpilots_graph.nodes._protocol import may_have_reached_service
 from taskpilots_graph.testing import fake_clock
 from taskpilots_graph.tools import check_args
 

@@ -41,6 +41,7 @@ from taskpilots_graph.errors import (
     StorageError,
     ThreadBusy,
 )
+from taskpilots_graph.leases import HoldStatus, Lease, local_deadline
 from taskpilots_graph.locks import (
     LeaseBackend,
     MemoryLeaseBackend,
@@ -55,7 +56,6 @@ from taskpilots_graph.locks import (
     lease_backend_from_url,
     thread_lease_name,
 )
-from taskpilots_graph.locks.base import HoldStatus, Lease, local_deadline
 
 TTL = 0.3  # short enough to expire leases quickly, long enough for a loaded CI machine
 # Renewal tests need slack for scheduler stalls: other tests SIGKILL and restart worker

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.metrics import (
@@ -364,7 +365,7 @@ def test_hand_written_log_in_the_store(cp: tp.RecoveryCheckpointer) -> None:
     assert (m.takeover.takeovers, m.takeover.pending) == (1, 1)
     assert m.takeover.pending_wait_seconds >= 0.0
     assert recovery_metrics(cp).runs.total == 0  # no checkpoint and no ledger: not scanned
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         recovery_metrics(cp, thread_ids=["h1", "nobody"])
     with pytest.raises(tp.ConfigurationError):
         recovery_metrics(cp, thread_ids="h1")

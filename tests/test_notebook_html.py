@@ -19,6 +19,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 import taskpilots_graph as tp
 from taskpilots_graph import notebook
+from taskpilots_graph.errors import InvalidDecision, NoPendingTakeover, ThreadNotFound
+from taskpilots_graph.replay import replay
 
 VOID = {"br", "hr", "img", "meta", "link", "input", "col", "wbr"}
 
@@ -268,7 +270,7 @@ def test_thread_info_and_replay_render(runs: Runs) -> None:
     fields = {r[0]: r[1] for r in rows(info.find("table", "tp-thread-table"))}
     assert fields["status"] == "awaiting_human"
     assert fields["takeover pending"] == "yes"
-    replayed = parse(tp.replay(runs.cp, "t-retry")._repr_html_())
+    replayed = parse(replay(runs.cp, "t-retry")._repr_html_())
     assert len(rows(replayed.find("table", "tp-timeline-table"))) == 19
 
 
@@ -287,7 +289,7 @@ def test_async_views_match_sync(runs: Runs, sqlite_path: str) -> None:
 
 def test_bad_input_raises_typed_errors(runs: Runs) -> None:
     """An unknown thread or a plain LangGraph saver gives the library's typed errors."""
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         notebook.timeline(runs.cp, "no-such-thread")
     with pytest.raises(tp.ConfigurationError):
         notebook.timeline(InMemorySaver(), "t-retry")
@@ -303,7 +305,7 @@ def test_widget_decides_on_click_and_refuses_twice(runs: Runs) -> None:
     assert "Takeover requested" in widget.widget.children[0].value
 
     assert widget.click("provide_result") is None  # empty text box: refused
-    assert isinstance(widget.error, tp.InvalidDecision)
+    assert isinstance(widget.error, InvalidDecision)
     assert "Refused" in widget.status.value
     assert tp.thread_info(runs.cp, "t-takeover").status == "awaiting_human"
 
@@ -316,7 +318,7 @@ def test_widget_decides_on_click_and_refuses_twice(runs: Runs) -> None:
     assert [e.payload["decided_by"] for e in decided] == ["ana"]
 
     assert widget.click("skip") is None  # answered already: nothing waits any more
-    assert isinstance(widget.error, tp.NoPendingTakeover)
+    assert isinstance(widget.error, NoPendingTakeover)
     assert "decided skip" in repr(widget)
 
 

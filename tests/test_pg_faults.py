@@ -44,18 +44,15 @@ from taskpilots_graph import (
     ConfigurationError,
     LedgerEntry,
     LedgerStatus,
-    MigrationError,
     RecoveryCheckpointer,
-    StorageReadOnly,
-    StorageUnavailable,
     create_recovery_agent,
     side_effect,
 )
 from taskpilots_graph.checkpointers import _schema
 from taskpilots_graph.checkpointers._pg_connect import PooledPostgresSaver, open_pool
-from taskpilots_graph.checkpointers.base import prepare_event
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.errors import MigrationError, StorageReadOnly, StorageUnavailable
+from taskpilots_graph.events import EventKind, prepare_event
 from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome, args_digest
 from taskpilots_graph.locks import MemoryLeaseBackend
 from taskpilots_graph.testing import ScriptedModel

@@ -28,6 +28,7 @@ from taskpilots_graph.metrics import (
     TakeoverCost,
     TimeToClose,
 )
+from taskpilots_graph.replay import replay
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def test_timeline_of_retried_run(runs: Runs) -> None:
 
 def test_timeline_of_degraded_run(runs: Runs) -> None:
     """A failed kb_search, the degradation marker, then the fallback's call on its own lane."""
-    fig = notebook.plot_timeline(tp.replay(runs.cp, "t-degrade"))  # a Replay works too
+    fig = notebook.plot_timeline(replay(runs.cp, "t-degrade"))  # a Replay works too
     assert gids(fig) == Counter({"tp-call": 2, "tp-failure": 1, "tp-degraded": 1, "tp-finished": 1})
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["kb_search", "kb_backup"]

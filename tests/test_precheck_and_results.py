@@ -4,7 +4,7 @@
   parcel was booked: the effect happened, so the entry is committed with a faithful
   placeholder and flagged (``result_reduced``, ``result_unserialisable``), never left
   ``intended``; the model reads the placeholder; nothing is booked again.
-* A pre-check answering ``None`` or a string: :class:`tp.PrecheckError` names the tool and
+* A pre-check answering ``None`` or a string: :class:`PrecheckError` names the tool and
   the answer in the takeover; the effect is uncertain (even for an idempotent tool) and is
   never executed on it.
 * A pre-check that hangs: after ``precheck_timeout`` it counts as ``Unknown("pre-check
@@ -37,10 +37,12 @@ from test_ledger_rules import (
 
 import taskpilots_graph as tp
 from taskpilots_graph.drift import is_placeholder, placeholder, result_digest, unserialisable
+from taskpilots_graph.engine._precheck import acall_precheck, call_precheck
+from taskpilots_graph.engine._protocol import CallContext, RunPrecheck, recordable
+from taskpilots_graph.errors import PrecheckError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus, SideEffectSpec
-from taskpilots_graph.nodes._protocol import CallContext, RunPrecheck, recordable
-from taskpilots_graph.nodes.executor import acall_precheck, call_precheck, tool_content
+from taskpilots_graph.nodes.executor import tool_content
 from taskpilots_graph.testing import fake_clock
 
 LIMIT = 0.3  # seconds a hanging pre-check is given in these tests
@@ -234,7 +236,7 @@ def test_garbage_precheck_answer_fails_closed(
 
 
 def test_precheck_error_is_typed() -> None:
-    err = tp.PrecheckError("ship_parcel", None)
+    err = PrecheckError("ship_parcel", None)
     assert isinstance(err, tp.ConfigurationError)
     assert (err.tool, err.returned) == ("ship_parcel", "None")
     assert "'ship_parcel'" in str(err)

@@ -18,6 +18,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.policy import Backoff, ToolPolicy
 from taskpilots_graph.replay import Replay, areplay, replay
@@ -185,7 +186,7 @@ def test_superseded_steps_are_flagged(cp: tp.RecoveryCheckpointer) -> None:
 
 def test_unknown_thread_and_wrong_checkpointer(cp: tp.RecoveryCheckpointer) -> None:
     """No event and no checkpoint: ThreadNotFound; a plain saver has no log to replay."""
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         replay(cp, "nobody")
     with pytest.raises(tp.ConfigurationError, match="RecoveryCheckpointer"):
         replay(InMemorySaver(), "t")
@@ -203,7 +204,7 @@ async def test_areplay_matches_replay(sqlite_path: str) -> None:
             {"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": "a"}}
         )
         got = await areplay(acp, "a")
-        with pytest.raises(tp.ThreadNotFound):
+        with pytest.raises(ThreadNotFound):
             await areplay(acp, "b")
     with tp.RecoveryCheckpointer.from_conn_string(conn) as cp:
         assert replay(cp, "a") == got

@@ -34,8 +34,17 @@ from pydantic import Field
 
 import taskpilots_graph as tp
 from taskpilots_graph.ledger import args_digest
-from taskpilots_graph.prompts import DEFAULT_MAX_CHARS, TEMPLATES
+from taskpilots_graph.nodes.think import ResumeContext
+from taskpilots_graph.prompts import (
+    DEFAULT_MAX_CHARS,
+    TEMPLATES,
+    ResumeFacts,
+    build_resume_prompt,
+    resume_facts,
+)
+from taskpilots_graph.state import StepRecord
 from taskpilots_graph.testing import answered_calls
+from taskpilots_graph.window import MemoryWindow
 
 WHEN = datetime(2025, 1, 1, tzinfo=UTC)
 UNCERTAIN_REASON = "refund: a side effect may or may not have happened"
@@ -64,7 +73,7 @@ def call(call_id: str, tool: str, args: dict[str, Any]) -> AIMessage:
     return AIMessage("", tool_calls=[{"name": tool, "args": args, "id": call_id}])
 
 
-def closed_step(call_id: str, tool: str, args: dict[str, Any], result: str) -> tp.StepRecord:
+def closed_step(call_id: str, tool: str, args: dict[str, Any], result: str) -> StepRecord:
     return {
         "tool_call_id": call_id,
         "tool": tool,
@@ -76,7 +85,7 @@ def closed_step(call_id: str, tool: str, args: dict[str, Any], result: str) -> t
     }
 
 
-def uncertain_step(call_id: str, tool: str, args: dict[str, Any]) -> tp.StepRecord:
+def uncertain_step(call_id: str, tool: str, args: dict[str, Any]) -> StepRecord:
     return {
         "tool_call_id": call_id,
         "tool": tool,
@@ -162,9 +171,9 @@ EXPECTED_ZH = """\
 def test_resume_facts_gathers_the_four_layers() -> None:
     """resume_facts: goal, done steps, committed/uncertain keys, to-do, blocker, observation."""
     state, ledger = small_state("Refund order o-7 and email the customer")
-    facts = tp.resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
+    facts = resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
 
-    assert facts == tp.ResumeFacts(
+    assert facts == ResumeFacts(
         goal="Refund order o-7 and email the customer",
         done=[
             ("lookup_order", '{"order": "o-7"}', "order o-7: 40 EUR, paid"),
@@ -184,26 +193,26 @@ def test_resume_facts_gathers_the_four_layers() -> None:
 def test_english_prompt_golden_text() -> None:
     """The English prompt of a small state is exactly the expected text."""
     state, ledger = small_state("Refund order o-7 and email the customer")
-    facts = tp.resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
+    facts = resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
 
-    assert tp.build_resume_prompt(facts, language="en") == EXPECTED_EN
-    with_ack = tp.build_resume_prompt(facts, language="en", acknowledge=True)
+    assert build_resume_prompt(facts, language="en") == EXPECTED_EN
+    with_ack = build_resume_prompt(facts, language="en", acknowledge=True)
     assert with_ack == EXPECTED_EN + "\n" + TEMPLATES["en"]["acknowledge"]
 
 
 def test_chinese_prompt_golden_text() -> None:
     """The Chinese prompt (with the acknowledgement request) is exactly the expected text."""
     state, ledger = small_state("为订单 o-7 退款并发邮件通知客户")
-    facts = tp.resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
+    facts = resume_facts(state, ledger, refreshed={"balance": {"EUR": 120}})
 
-    assert tp.build_resume_prompt(facts, language="zh", acknowledge=True) == EXPECTED_ZH
+    assert build_resume_prompt(facts, language="zh", acknowledge=True) == EXPECTED_ZH
 
 
 def test_prompt_of_a_fresh_thread_has_no_empty_sections() -> None:
     """With nothing done, committed or pending, only goal, progress and instruction remain."""
-    facts = tp.resume_facts({"messages": [HumanMessage("say hi")]}, [])
+    facts = resume_facts({"messages": [HumanMessage("say hi")]}, [])
 
-    assert tp.build_resume_prompt(facts) == (
+    assert build_resume_prompt(facts) == (
         "You are resuming an interrupted task.\n"
         "Goal: say hi\n"
         "Progress: 0 step(s) done.\n"
@@ -219,7 +228,7 @@ PENDING_ARGS = {"order": "o-9", "amount": 99}
 
 def long_state() -> tuple[dict[str, Any], list[tp.LedgerEntry]]:
     """1,000 closed steps, 300 committed effects, 3 uncertain ones and one pending step."""
-    steps: dict[str, tp.StepRecord] = {
+    steps: dict[str, StepRecord] = {
         f"c{i}": closed_step(
             f"c{i}", TOOLS[i % 3], {"q": f"query number {i}"}, f"result {i} " + "x" * 60
         )
@@ -252,8 +261,8 @@ def long_state() -> tuple[dict[str, Any], list[tp.LedgerEntry]]:
 def test_long_history_fits_the_budget_and_keeps_exact_facts(language: str, max_chars: int) -> None:
     """After 1,000 steps: within max_chars, with every uncertain key and the pending step."""
     state, ledger = long_state()
-    facts = tp.resume_facts(state, ledger)
-    prompt = tp.build_resume_prompt(facts, language=language, max_chars=max_chars)  # type: ignore[arg-type]
+    facts = resume_facts(state, ledger)
+    prompt = build_resume_prompt(facts, language=language, max_chars=max_chars)  # type: ignore[arg-type]
 
     assert len(prompt) <= max_chars
     for i in range(3):
@@ -275,8 +284,8 @@ def test_long_history_fits_the_budget_and_keeps_exact_facts(language: str, max_c
 def test_long_history_keeps_the_instruction_and_last_observation(language: str) -> None:
     """At the default budget the last observation and the closing instruction are not cut."""
     state, ledger = long_state()
-    facts = tp.resume_facts(state, ledger)
-    prompt = tp.build_resume_prompt(facts, language=language)  # type: ignore[arg-type]
+    facts = resume_facts(state, ledger)
+    prompt = build_resume_prompt(facts, language=language)  # type: ignore[arg-type]
 
     assert "written w-999" in prompt
     assert prompt.endswith(TEMPLATES[language]["instruction"])  # type: ignore[index]
@@ -290,8 +299,8 @@ def test_long_tool_names_do_not_push_exact_facts_out(language: str) -> None:
     for index, record in enumerate(state["steps"].values()):
         if record["status"] == "closed":
             record["using"] = record["tool"] = names[index % 6]
-    facts = tp.resume_facts(state, ledger)
-    prompt = tp.build_resume_prompt(facts, language=language)  # type: ignore[arg-type]
+    facts = resume_facts(state, ledger)
+    prompt = build_resume_prompt(facts, language=language)  # type: ignore[arg-type]
 
     assert len(prompt) <= DEFAULT_MAX_CHARS
     assert [f"charge:uncertain-{i}" in prompt for i in range(3)] == [True, True, True]
@@ -300,9 +309,9 @@ def test_long_tool_names_do_not_push_exact_facts_out(language: str) -> None:
 
 def _prompts_of_long_state() -> list[str]:
     state, ledger = long_state()
-    facts = tp.resume_facts(state, ledger, refreshed={"b": 1, "a": [2]})
+    facts = resume_facts(state, ledger, refreshed={"b": 1, "a": [2]})
     return [
-        tp.build_resume_prompt(facts, language=language, max_chars=budget, acknowledge=True)
+        build_resume_prompt(facts, language=language, max_chars=budget, acknowledge=True)
         for language in ("en", "zh")
         for budget in (3000, DEFAULT_MAX_CHARS)
     ]
@@ -312,9 +321,7 @@ def test_prompt_is_deterministic() -> None:
     """Same state and ledger, same facts and text: built twice here and under another hash seed."""
     first_state, first_ledger = long_state()
     second_state, second_ledger = long_state()
-    assert tp.resume_facts(first_state, first_ledger) == tp.resume_facts(
-        second_state, second_ledger
-    )
+    assert resume_facts(first_state, first_ledger) == resume_facts(second_state, second_ledger)
     here = _prompts_of_long_state()
     assert _prompts_of_long_state() == here
 
@@ -416,7 +423,7 @@ def resume_prompts(messages: Sequence[BaseMessage]) -> list[str]:
     ]
 
 
-def crash_with_dangling_call(cp: tp.RecoveryCheckpointer, context: tp.ResumeContext) -> Any:
+def crash_with_dangling_call(cp: tp.RecoveryCheckpointer, context: ResumeContext) -> Any:
     """A thread left as a crash leaves it: o-7 answered, the o-8 call of the same message not."""
     model = LookupModel()
     graph = tp.create_recovery_agent(
@@ -447,7 +454,7 @@ def test_resume_closes_dangling_calls_and_gives_the_resume_prompt(
     cp: tp.RecoveryCheckpointer,
 ) -> None:
     """After a crash, resume answers the dangling call and the model gets the resume prompt once."""
-    graph, model = crash_with_dangling_call(cp, tp.ResumeContext())
+    graph, model = crash_with_dangling_call(cp, ResumeContext())
 
     result = tp.resume(graph, "t")
 
@@ -483,7 +490,7 @@ def test_refreshers_run_after_a_long_pause_and_their_values_are_in_the_prompt(
         seen.append(state)
         return {"EUR": 120}
 
-    context = tp.ResumeContext(refreshers={"balance": balance}, refresh_after=0)
+    context = ResumeContext(refreshers={"balance": balance}, refresh_after=0)
     graph, model = crash_with_dangling_call(cp, context)
 
     tp.resume(graph, "t")
@@ -500,7 +507,7 @@ def test_refreshers_run_after_a_long_pause_and_their_values_are_in_the_prompt(
 def test_refreshers_do_not_run_after_a_short_pause(cp: tp.RecoveryCheckpointer) -> None:
     """Within refresh_after the refreshers are not called and the prompt has no refreshed data."""
     seen: list[Any] = []
-    context = tp.ResumeContext(refreshers={"balance": seen.append}, refresh_after=3600)
+    context = ResumeContext(refreshers={"balance": seen.append}, refresh_after=3600)
     graph, model = crash_with_dangling_call(cp, context)
 
     tp.resume(graph, "t")
@@ -514,7 +521,7 @@ def test_acknowledge_makes_one_extra_call_recorded_as_llm_decided(
     cp: tp.RecoveryCheckpointer,
 ) -> None:
     """acknowledge=True: one extra model call, its answer logged as llm_decided acknowledgement."""
-    graph, model = crash_with_dangling_call(cp, tp.ResumeContext(acknowledge=True))
+    graph, model = crash_with_dangling_call(cp, ResumeContext(acknowledge=True))
 
     result = tp.resume(graph, "t")
 
@@ -561,7 +568,7 @@ def folded_state() -> dict[str, Any]:
 
 def test_folded_steps_are_counted_and_named() -> None:
     """Steps the window folded count; those it lists are named; the rest are summarised."""
-    facts = tp.resume_facts(folded_state(), [])
+    facts = resume_facts(folded_state(), [])
 
     assert facts.folded == {"page": 2, "fetch": 1}
     assert facts.done == [
@@ -569,7 +576,7 @@ def test_folded_steps_are_counted_and_named() -> None:
         ("fetch", "{'n': 4}", "fetched 4"),
         ("page", '{"n": 5}', "page 5"),
     ]
-    assert tp.build_resume_prompt(facts) == (
+    assert build_resume_prompt(facts) == (
         "You are resuming an interrupted task.\n"
         "Goal: read six pages\n"
         "Progress: 6 step(s) done.\n"
@@ -587,18 +594,18 @@ def test_memory_written_before_folded_done_counts_every_folded_call() -> None:
     """A state without ``folded_done`` (older checkpoints): its folded calls count as done."""
     state = folded_state()
     del state["memory"]["folded_done"]
-    facts = tp.resume_facts(state, [])
+    facts = resume_facts(state, [])
 
     assert facts.folded == {"?": 4}
-    assert "Progress: 7 step(s) done." in tp.build_resume_prompt(facts)
+    assert "Progress: 7 step(s) done." in build_resume_prompt(facts)
 
 
 def test_folded_steps_stay_counted_within_a_small_budget() -> None:
     """Over a long folded history the count stays exact and the prompt within the budget."""
     state = folded_state()
     state["memory"]["folded_done"] = {"page": 5000, "fetch": 2500}
-    facts = tp.resume_facts(state, [])
-    prompt = tp.build_resume_prompt(facts, max_chars=1000)
+    facts = resume_facts(state, [])
+    prompt = build_resume_prompt(facts, max_chars=1000)
 
     assert len(prompt) <= 1000
     assert "Progress: 7503 step(s) done." in prompt
@@ -633,7 +640,7 @@ def test_resume_prompt_counts_steps_the_window_folded(
         model,
         [StructuredTool.from_function(page), StructuredTool.from_function(fetch)],
         checkpointer=cp,
-        memory_window=None if budget is None else tp.MemoryWindow(max_tokens=budget),
+        memory_window=None if budget is None else MemoryWindow(max_tokens=budget),
     )
     config = {"configurable": {"thread_id": "t-fold"}}
     with pytest.raises(Crash):

@@ -9,6 +9,7 @@ from _models import PlanModel
 from test_drills import Effects, kinds, run
 
 import taskpilots_graph as tp
+from taskpilots_graph.errors import ThreadNotFound
 
 
 def _ticket_created(state: Any) -> bool:
@@ -66,6 +67,6 @@ def test_rewind_to_unknown_target_is_a_clear_error(cp: tp.RecoveryCheckpointer) 
     before = kinds(cp)
     with pytest.raises(tp.ConfigurationError, match="no milestone or checkpoint"):
         tp.rewind(graph, "t", to="no-such-milestone")
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         tp.rewind(graph, "nobody", to="ticket_created")
     assert kinds(cp) == before

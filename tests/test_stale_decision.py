@@ -35,6 +35,7 @@ from typer.testing import CliRunner
 import taskpilots_graph as tp
 from taskpilots_graph import testing
 from taskpilots_graph.cli import app as cli_app
+from taskpilots_graph.errors import InvalidDecision, NoPendingTakeover, StaleDecision
 from taskpilots_graph.middleware import RecoveryMiddleware
 
 THREAD = "ship-1"
@@ -92,13 +93,13 @@ def test_a_decision_given_again_is_refused_and_changes_nothing(
     assert mailer.interrupt_id != decision.interrupt_id
     before = state_of(cp, graph)
 
-    with pytest.raises(tp.StaleDecision) as refused:
+    with pytest.raises(StaleDecision) as refused:
         tp.decide(graph, THREAD, decision)
 
     assert refused.value.interrupt_id == decision.interrupt_id
     assert refused.value.current == [mailer.interrupt_id]
     assert str(mailer.interrupt_id) in str(refused.value)
-    assert isinstance(refused.value, tp.NoPendingTakeover)  # "already decided", as before
+    assert isinstance(refused.value, NoPendingTakeover)  # "already decided", as before
     assert state_of(cp, graph) == before
     assert only_takeover(cp) == mailer
     assert service.count("notify_customer") == 0
@@ -115,7 +116,7 @@ def test_a_decision_given_again_is_refused_and_changes_nothing(
     assert service.count("notify_customer") == 1
     assert service.count("ship_parcel") == 1
     assert tp.pending_takeovers(cp) == []
-    with pytest.raises(tp.StaleDecision) as finished:
+    with pytest.raises(StaleDecision) as finished:
         tp.decide(graph, THREAD, decision)
     assert finished.value.current == []
 
@@ -136,7 +137,7 @@ async def test_async_a_decision_given_again_is_refused(
         (mailer,) = await tp.apending_takeovers(acp, thread_ids=[THREAD])
         ledger = await acp.aledger(THREAD)
 
-        with pytest.raises(tp.StaleDecision) as refused:
+        with pytest.raises(StaleDecision) as refused:
             await tp.adecide(graph, THREAD, decision)
 
         assert refused.value.current == [mailer.interrupt_id]
@@ -156,7 +157,7 @@ def test_a_decision_without_a_takeover_id_answers_the_one_pending(
     tp.decide(graph, THREAD, tp.Decision(action="provide_result", result="TRK-1"))
 
     assert only_takeover(cp).pending[0]["tool"] == "notify_customer"
-    with pytest.raises(tp.InvalidDecision, match="no step"):  # a step of the old takeover
+    with pytest.raises(InvalidDecision, match="no step"):  # a step of the old takeover
         tp.decide(
             graph,
             THREAD,
@@ -166,7 +167,7 @@ def test_a_decision_without_a_takeover_id_answers_the_one_pending(
 
 def test_stale_decision_pickles_with_its_facts() -> None:
     """It crosses process boundaries (workers) with its attributes."""
-    err = tp.StaleDecision("t", "old", ["new"])
+    err = StaleDecision("t", "old", ["new"])
     back = pickle.loads(pickle.dumps(err))
     assert (back.thread_id, back.interrupt_id, back.current) == ("t", "old", ["new"])
     assert str(back) == str(err)
@@ -206,7 +207,7 @@ def test_several_takeovers_need_a_decision_that_names_one(
     assert sorted(r.pending[0]["tool"] for r in both) == ["notify_customer", "ship_parcel"]
     before = state_of(cp, graph)
 
-    with pytest.raises(tp.InvalidDecision, match="2 takeovers are pending"):
+    with pytest.raises(InvalidDecision, match="2 takeovers are pending"):
         tp.decide(graph, THREAD, tp.Decision(action="skip"))
     assert state_of(cp, graph) == before
 

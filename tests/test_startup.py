@@ -109,22 +109,23 @@ def test_public_names_load_no_optional_dependency() -> None:
 
 def test_lazy_table_matches_all() -> None:
     """Every name of ``__all__`` has a source, ``dir()`` lists them, and they resolve."""
-    lazy = set(tp._EXPORTS) | {"__version__", "notebook"}
+    lazy = set(tp._EXPORTS) | {"__version__"}
     assert lazy == set(tp.__all__)
     assert set(tp.__all__) <= set(dir(tp))
     with pytest.raises(AttributeError):
         _ = tp.no_such_name
 
 
-def test_a_loaded_submodule_does_not_hide_a_function() -> None:
-    """``replay`` and ``recovery_map`` stay the functions once their modules are loaded."""
+def test_no_public_name_is_also_a_submodule() -> None:
+    """Loading a submodule binds it on the package: no exported name may be one of them."""
+    import pkgutil
+
+    submodules = {m.name for m in pkgutil.iter_modules(tp.__path__)}
+    assert submodules & set(tp.__all__) == set()
     code = (
-        "import taskpilots_graph as tp, taskpilots_graph.replay, taskpilots_graph.recovery_map\n"
-        "from taskpilots_graph.replay import replay\n"
-        "from taskpilots_graph.recovery_map import recovery_map\n"
-        "assert tp.replay is replay and tp.recovery_map is recovery_map\n"
-        "from taskpilots_graph import replay as r\n"
-        "assert r is replay\n"
+        "import taskpilots_graph as tp, taskpilots_graph.replay, taskpilots_graph.runner\n"
+        "from taskpilots_graph.runner import run\n"
+        "assert tp.run is run\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False

@@ -37,22 +37,15 @@ from taskpilots_graph.config import (
     DEFAULT_DB_URL,
     POSTGRES_URL_ENV,
     REDIS_URL_ENV,
-    Settings,
+    StorageSettings,
     open_graph,
 )
+from taskpilots_graph.errors import ToolWaiting
+from taskpilots_graph.health import Attribution, HealthStatus, ThreadHealth, with_effect_in_flight
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.locks import LeaseBackend, lease_backend_from_url, thread_lease_name
 from taskpilots_graph.policy import Backoff, ToolPolicy
-from taskpilots_graph.supervisor import (
-    Attribution,
-    Supervisor,
-    ThreadHealth,
-    ThreadStatus,
-    _with_effect_in_flight,
-    asupervise,
-    recover,
-    supervise,
-)
+from taskpilots_graph.supervisor import Supervisor, asupervise, recover, supervise
 
 PARK = ToolPolicy(backoff=Backoff(initial=60, jitter=False), wait_window=3600)  # → ToolWaiting
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -151,9 +144,9 @@ def test_orphaned_thread_is_attributed_resumed_once_then_idle(
 
     supervisor = Supervisor(graph)
     health = {h.thread_id: h for h in supervisor.check()}
-    assert health["t-b"].status is ThreadStatus.IDLE
+    assert health["t-b"].status is HealthStatus.IDLE
     orphan = health["t-a"]
-    assert orphan.status is ThreadStatus.ORPHANED
+    assert orphan.status is HealthStatus.ORPHANED
     assert orphan.attribution is not None
     assert (orphan.attribution.cause, orphan.attribution.node, orphan.attribution.tool) == (
         "worker_lost",
@@ -174,8 +167,8 @@ def test_orphaned_thread_is_attributed_resumed_once_then_idle(
     again = supervisor.tick()
     assert again.resumed == ()
     assert {h.thread_id: h.status for h in again.threads} == {
-        "t-a": ThreadStatus.IDLE,
-        "t-b": ThreadStatus.IDLE,
+        "t-a": HealthStatus.IDLE,
+        "t-b": HealthStatus.IDLE,
     }
     assert world.effects == Counter({"a": 1, "b": 1})
 
@@ -186,7 +179,7 @@ def test_a_lost_worker_is_attributed_from_the_ledger_when_its_checkpoint_lags() 
     now = datetime(2026, 1, 1, tzinfo=UTC)
     lost = ThreadHealth(
         "t-1",
-        ThreadStatus.ORPHANED,
+        HealthStatus.ORPHANED,
         "cp-1",
         attribution=Attribution("t-1", "worker_lost", "tickets", node="think"),
     )
@@ -210,13 +203,13 @@ def test_a_lost_worker_is_attributed_from_the_ledger_when_its_checkpoint_lags() 
         entry("lookup_customer", LedgerStatus.COMMITTED, 1),
         entry("create_ticket", LedgerStatus.INTENDED, 2),
     ]
-    why = _with_effect_in_flight(lost, entries).attribution
+    why = with_effect_in_flight(lost, entries).attribution
     assert why is not None
     assert (why.node, why.step, why.tool) == ("think", "call-create_ticket", "create_ticket")
     # Nothing in flight, or a tool already named by the checkpoint: left as it was.
-    assert _with_effect_in_flight(lost, entries[:1]) == lost
+    assert with_effect_in_flight(lost, entries[:1]) == lost
     named = replace(lost, attribution=replace(lost.attribution, tool="send_email"))
-    assert _with_effect_in_flight(named, entries) == named
+    assert with_effect_in_flight(named, entries) == named
 
 
 def test_thread_held_by_a_live_runner_is_left_alone(
@@ -233,7 +226,7 @@ def test_thread_held_by_a_live_runner_is_left_alone(
     assert other is not None
     report = supervise(graph, once=True)
     (health,) = report.threads
-    assert (health.status, health.holder) == (ThreadStatus.RUNNING, "host:42:live-worker")
+    assert (health.status, health.holder) == (HealthStatus.RUNNING, "host:42:live-worker")
     assert report.resumed == ()
     assert world.effects == Counter()
     leases.release(other)
@@ -250,19 +243,19 @@ def test_waiting_tool_thread_is_resumed_only_once_due(
     world.fail_lookup = True
     graph = _agent(cp, leases, world, default_policy=PARK)
     with testing.fake_clock() as clock:
-        with pytest.raises(tp.ToolWaiting) as waiting:
+        with pytest.raises(ToolWaiting) as waiting:
             tp.run(graph, "t-w", _go("w"))
         supervisor = Supervisor(graph)
         report = supervisor.tick()
         (health,) = report.threads
-        assert health.status is ThreadStatus.WAITING
+        assert health.status is HealthStatus.WAITING
         assert health.retry_at == pytest.approx(waiting.value.retry_at)
         assert report.resumed == ()
 
         world.fail_lookup = False
         clock.advance(waiting.value.retry_at - clock.now() + 1)
         (due,) = supervisor.check()
-        assert due.status is ThreadStatus.DUE
+        assert due.status is HealthStatus.DUE
         assert due.attribution is not None
         assert (due.attribution.cause, due.attribution.tool, due.attribution.failure) == (
             "retry_due",
@@ -287,7 +280,7 @@ def test_thread_waiting_on_a_person_is_left_alone(
     for _ in range(2):  # the second scan answers from memory: same verdict
         report = supervisor.tick()
         (health,) = report.threads
-        assert health.status is ThreadStatus.TAKEOVER
+        assert health.status is HealthStatus.TAKEOVER
         assert report.resumed == ()
     state = graph.get_state({"configurable": {"thread_id": "t-p"}})
     assert state.interrupts  # still waiting on the person
@@ -324,7 +317,7 @@ def test_resume_that_keeps_failing_is_given_up_with_a_stuck_event(
     assert "lock service misconfigured" in failures[0][0][1]
     report = supervisor.tick()
     (health,) = report.threads
-    assert health.status is ThreadStatus.FAILING
+    assert health.status is HealthStatus.FAILING
     assert report.failed == ()  # given up: not tried again at this checkpoint
     stuck = [e for e in cp.events("t-s") if e.kind is tp.EventKind.STUCK_DETECTED]
     assert len(stuck) == 1
@@ -358,7 +351,7 @@ async def test_async_supervisor_resumes_an_orphaned_thread(sqlite_path: str) -> 
             report = await asupervise(graph, once=True)
             assert report.resumed == ("t-a",)
             again = await asupervise(graph, once=True)
-            assert [h.status for h in again.threads] == [ThreadStatus.IDLE]
+            assert [h.status for h in again.threads] == [HealthStatus.IDLE]
             events = await acp.aevents("t-a")
     assert world.effects == Counter({"a": 1})
     resumed = [e for e in events if e.kind is tp.EventKind.RUN_RESUMED]
@@ -477,7 +470,7 @@ def test_worker_killed_by_sigkill_is_detected_after_its_ttl_and_resumed(
             name="tickets",
         )
         supervisor = Supervisor(graph)
-        seen: list[ThreadStatus] = []
+        seen: list[HealthStatus] = []
         report = None
         while time.monotonic() - killed_at < 30:
             report = supervisor.tick()
@@ -490,7 +483,7 @@ def test_worker_killed_by_sigkill_is_detected_after_its_ttl_and_resumed(
         assert report.resumed == ("ticket",)
         # Either the scan caught the dead worker's lease still ticking, or the TTL had
         # already run out while the parent process started; never anything else.
-        assert set(seen) <= {ThreadStatus.RUNNING, ThreadStatus.ORPHANED}
+        assert set(seen) <= {HealthStatus.RUNNING, HealthStatus.ORPHANED}
         (resumed,) = _resumed_by_supervisor(cp, "ticket")
         assert resumed["attribution"]["tool"] == "create_ticket"
         assert resumed["attribution"]["failure"] == "worker_lost"
@@ -532,23 +525,23 @@ def test_settings_come_from_arguments_then_environment_then_the_embedded_default
 ) -> None:
     """Explicit URLs win; then TASKPILOTS_POSTGRES_URL / TASKPILOTS_REDIS_URL; else SQLite."""
     pg, rd = "postgresql://u@db:5432/runs", "redis://cache:6379/0"
-    assert Settings.resolve(environ={}) == Settings(DEFAULT_DB_URL, DEFAULT_DB_URL)
+    assert StorageSettings.resolve(environ={}) == StorageSettings(DEFAULT_DB_URL, DEFAULT_DB_URL)
     env = {POSTGRES_URL_ENV: pg, REDIS_URL_ENV: rd}
-    assert Settings.resolve(environ=env) == Settings(pg, rd)
-    assert Settings.resolve(environ={POSTGRES_URL_ENV: pg}) == Settings(pg, pg)
+    assert StorageSettings.resolve(environ=env) == StorageSettings(pg, rd)
+    assert StorageSettings.resolve(environ={POSTGRES_URL_ENV: pg}) == StorageSettings(pg, pg)
     mine = f"sqlite:///{tmp_path / 'x' / 'runs.db'}"
-    assert Settings.resolve(db=mine, environ=env) == Settings(mine, rd)
+    assert StorageSettings.resolve(db=mine, environ=env) == StorageSettings(mine, rd)
     assert (tmp_path / "x").is_dir()  # the embedded file's folder is created
     with pytest.raises(tp.ConfigurationError, match="cannot be shared"):
-        Settings.resolve(db=":memory:", environ={})
+        StorageSettings.resolve(db=":memory:", environ={})
 
 
 def test_graph_references_name_a_graph_or_a_factory(sqlite_path: str) -> None:
     """``module:attr`` loads a factory given what it asks for; mistakes are typed errors."""
     url = f"sqlite:///{sqlite_path}"
-    with open_graph("test_supervisor:notes_with_leases", Settings(url, url)) as graph:
+    with open_graph("test_supervisor:notes_with_leases", StorageSettings(url, url)) as graph:
         assert Supervisor(graph).check() == []
-    with open_graph("test_supervisor:notes_without_leases", Settings(url, url)) as graph:
+    with open_graph("test_supervisor:notes_without_leases", StorageSettings(url, url)) as graph:
         assert Supervisor(graph).check() == []  # its leases: the database's own
     for ref, message in [
         ("no_colon", "looks like"),
@@ -558,6 +551,6 @@ def test_graph_references_name_a_graph_or_a_factory(sqlite_path: str) -> None:
     ]:
         with (
             pytest.raises(tp.ConfigurationError, match=message),
-            open_graph(ref, Settings(url, url)),
+            open_graph(ref, StorageSettings(url, url)),
         ):
             pass

@@ -26,6 +26,7 @@ from langchain_core.tools import BaseTool, StructuredTool
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.errors import InvalidDecision, NoPendingTakeover, ThreadNotFound
 from taskpilots_graph.nodes.compensate import ABANDONED
 from taskpilots_graph.takeover import DECISION_ACTIONS
 
@@ -297,7 +298,7 @@ def test_edit_args_that_do_not_fit_the_tool_are_invalid(
 ) -> None:
     """edit_args whose args the tool rejects raise InvalidDecision and change nothing."""
     ledger = cp.ledger()
-    with pytest.raises(tp.InvalidDecision):
+    with pytest.raises(InvalidDecision):
         tp.decide(stopped.graph, THREAD, {"action": "edit_args", "args": {"bogus": 1}})
     assert cp.ledger() == ledger
 
@@ -394,7 +395,7 @@ def test_takeover_is_resolved_from_another_process(
     assert (provided.status, provided.result) == (tp.LedgerStatus.COMMITTED, "receipt R-7")
     (recorded,) = events(cp, tp.EventKind.DECISION_RECORDED)
     assert recorded["decided_by"] == f"child-{value['pid']}"
-    with pytest.raises(tp.NoPendingTakeover):
+    with pytest.raises(NoPendingTakeover):
         tp.decide(stopped.graph, THREAD, "skip")
 
 
@@ -433,7 +434,7 @@ def test_invalid_decisions_raise_typed_errors_and_change_nothing(
     ]
     before = snapshot(cp, stopped.graph)
     for label, decision in cases:
-        with pytest.raises(tp.InvalidDecision):
+        with pytest.raises(InvalidDecision):
             tp.decide(stopped.graph, THREAD, decision)
         assert snapshot(cp, stopped.graph) == before, label
     assert stopped.charge.calls == 1
@@ -453,11 +454,11 @@ def test_decide_on_a_thread_without_takeover_or_unknown_raises(
     before = snapshot(cp, finished_graph, "finished")
     waiting = snapshot(cp, stopped.graph)
 
-    with pytest.raises(tp.NoPendingTakeover):
+    with pytest.raises(NoPendingTakeover):
         tp.decide(finished_graph, "finished", "skip")
     assert snapshot(cp, finished_graph, "finished") == before
 
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         tp.decide(stopped.graph, "no-such-thread", "skip")
     assert cp.get_tuple({"configurable": {"thread_id": "no-such-thread"}}) is None
     assert cp.events("no-such-thread") == []
@@ -472,7 +473,7 @@ def test_the_same_decision_twice_raises_no_pending_takeover(
     tp.decide(stopped.graph, THREAD, decision)
     after_first = snapshot(cp, stopped.graph)
 
-    with pytest.raises(tp.NoPendingTakeover):
+    with pytest.raises(NoPendingTakeover):
         tp.decide(stopped.graph, THREAD, decision)
 
     assert snapshot(cp, stopped.graph) == after_first
@@ -497,16 +498,16 @@ async def test_async_pending_takeovers_and_adecide(conn_string: str) -> None:
         (uncertain,) = [e for e in await acp.aledger(THREAD) if e.tool == "charge"]
         assert [e["key"] for e in request.uncertain_effects] == [uncertain.key]
 
-        with pytest.raises(tp.InvalidDecision):
+        with pytest.raises(InvalidDecision):
             await tp.adecide(graph, THREAD, {"action": "provide_result"})
-        with pytest.raises(tp.ThreadNotFound):
+        with pytest.raises(ThreadNotFound):
             await tp.adecide(graph, "no-such-thread", "retry")
         final = await tp.adecide(graph, THREAD, tp.Decision(action="retry", decided_by="carol"))
 
         assert service.executed("charge") == [("C", uncertain.key, 1), ("C", uncertain.key, 2)]
         assert final["flow"]["stage"] == "closed"
         assert await tp.apending_takeovers(acp) == []
-        with pytest.raises(tp.NoPendingTakeover):
+        with pytest.raises(NoPendingTakeover):
             await tp.adecide(graph, THREAD, "retry")
         decided = [
             e.payload for e in await acp.aevents(THREAD) if e.kind is tp.EventKind.DECISION_RECORDED

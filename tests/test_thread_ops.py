@@ -31,13 +31,13 @@ from taskpilots_graph import (
     LedgerStatus,
     NotDone,
     RecoveryCheckpointer,
-    ThreadNotFound,
     aresume,
     create_recovery_agent,
     resume,
     side_effect,
 )
 from taskpilots_graph.checkpointers._optional import COPIED_FROM, copied_entry
+from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.ledger import PAUSED, PrecheckOutcome, args_digest, default_key
 
 GOAL = "export order o-1 and tell the team"

@@ -23,6 +23,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 import taskpilots_graph as tp
 from taskpilots_graph import testing
+from taskpilots_graph.errors import ThreadNotFound, ToolWaiting
 from taskpilots_graph.policy import Backoff, ToolPolicy
 from taskpilots_graph.threads import (
     ThreadInfo,
@@ -84,7 +85,7 @@ def run_each_status(cp: Any) -> dict[str, Any]:
         policies={"search": policy},
     )
     with testing.fake_clock():
-        with pytest.raises(tp.ToolWaiting) as waiting:
+        with pytest.raises(ToolWaiting) as waiting:
             go(later, "tool")
         seen["retry_at"] = waiting.value.retry_at
         go(broken, "failed")
@@ -155,9 +156,9 @@ def test_answered_takeover_and_resumed_wait_close_the_threads(cp: tp.RecoveryChe
 
 def test_unknown_threads_events_only_threads_and_newer_turns(cp: tp.RecoveryCheckpointer) -> None:
     """Unknown id: ThreadNotFound; events without checkpoint: status from the log."""
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         thread_info(cp, "nobody")
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         list_threads(cp, thread_ids=["nobody"])
     with pytest.raises(tp.ConfigurationError):
         thread_info(cp, "")
@@ -293,5 +294,5 @@ async def test_async_listing(sqlite_path: str) -> None:
         assert isinstance(info, ThreadInfo)
         assert (info.thread_id, info.status, info.takeover_pending) == ("a", "awaiting_human", True)
         assert await athread_info(acp, "a") == info
-        with pytest.raises(tp.ThreadNotFound):
+        with pytest.raises(ThreadNotFound):
             await athread_info(acp, "b")

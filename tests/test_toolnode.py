@@ -205,7 +205,7 @@ def test_langgraphs_own_toolnode_refuses_a_side_effect_tool(
     with pytest.raises(tp.ConfigurationError) as caught:
         graph.invoke({"messages": [("user", "t-1")]}, _config("t-1"))
     message = str(caught.value)
-    for fix in ("tp.ToolNode", "tp.RecoveryExecutor", "tp.RecoveryMiddleware"):
+    for fix in ("tp.ToolNode", "RecoveryExecutor", "tp.RecoveryMiddleware"):
         assert fix in message
     assert "'open_ticket'" in message
     assert _tickets(services) == 0
@@ -265,7 +265,7 @@ def test_a_second_runner_of_the_thread_gets_thread_busy(
 ) -> None:
     """While another worker holds the thread's lease, the node's call refuses to run: no
     ticket, no ledger entry, a typed error instead of a lost write."""
-    from taskpilots_graph.locks.base import thread_lease_name
+    from taskpilots_graph.leases import thread_lease_name
     from taskpilots_graph.locks.hold import hold
 
     _, declared = ticket_tools(services)

@@ -32,8 +32,10 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 import taskpilots_graph as tp
 from taskpilots_graph import testing
 from taskpilots_graph.conversation import NO_ANSWER, valid_conversation
+from taskpilots_graph.errors import ThreadNotFound, ToolWaiting
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, args_digest
 from taskpilots_graph.middleware import RecoveryMiddleware
+from taskpilots_graph.window import MemoryWindow
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _travel import (
@@ -64,7 +66,7 @@ def turns_in_view(messages: Sequence[BaseMessage]) -> int:
     return sum(isinstance(m, AIMessage) and bool(m.tool_calls) for m in messages)
 
 
-ONE_TURN = tp.MemoryWindow(max_tokens=1, token_counter=turns_in_view)
+ONE_TURN = MemoryWindow(max_tokens=1, token_counter=turns_in_view)
 
 
 def build(cp: Any, desk: TravelDesk, model: TravelModel, **kwargs: Any) -> Any:
@@ -256,7 +258,7 @@ def test_resume_of_a_ledger_only_thread_settles_not_done_and_names_the_uncertain
 
 
 def test_an_unknown_thread_is_still_not_found(cp: Any, desk: TravelDesk) -> None:
-    with pytest.raises(tp.ThreadNotFound):
+    with pytest.raises(ThreadNotFound):
         tp.resume(build(cp, desk, TravelModel(plan=TRIP)), "nobody")
 
 
@@ -278,7 +280,7 @@ def test_a_chat_message_while_a_tool_waits_answers_the_call_first(
     graph = tp.create_recovery_agent(
         model, _rate_limited(desk), checkpointer=cp, policies=WAIT_POLICY
     )
-    with pytest.raises(tp.ToolWaiting):
+    with pytest.raises(ToolWaiting):
         tp.run(graph, "trip-wait", {"messages": [("user", "book fares OPO-LIS")]})
     assert tp.thread_info(cp, "trip-wait").status == "waiting_tool"
 
@@ -309,7 +311,7 @@ def test_a_chat_message_while_a_tool_waits_in_the_middleware_form(
         checkpointer=cp,
         middleware=[RecoveryMiddleware(cp, policies=WAIT_POLICY)],
     )
-    with pytest.raises(tp.ToolWaiting):
+    with pytest.raises(ToolWaiting):
         tp.run(agent, "trip-mw", {"messages": [("user", "book fares OPO-LIS")]})
     out = tp.run(agent, "trip-mw", {"messages": [("user", "any news?")]})
     assert_all_valid(model)
@@ -329,7 +331,7 @@ def test_the_middleware_never_sends_an_unanswered_call(cp: Any, desk: TravelDesk
         middleware=[RecoveryMiddleware(cp, policies=WAIT_POLICY)],
     )
     config = {"configurable": {"thread_id": "trip-mw-plain"}}
-    with pytest.raises(tp.ToolWaiting):
+    with pytest.raises(ToolWaiting):
         agent.invoke({"messages": [("user", "book fares OPO-LIS")]}, config)
     agent.invoke({"messages": [("user", "any news?")]}, config)
     assert_all_valid(model)
@@ -373,7 +375,7 @@ def test_async_runner_settles_the_same_way(sqlite_path: str, desk: TravelDesk) -
             graph = tp.create_recovery_agent(
                 model, _rate_limited(desk), checkpointer=acp, policies=WAIT_POLICY
             )
-            with pytest.raises(tp.ToolWaiting):
+            with pytest.raises(ToolWaiting):
                 await tp.arun(graph, "trip-async", {"messages": [("user", "book fares")]})
             out = await tp.arun(graph, "trip-async", {"messages": [("user", "any news?")]})
             assert_all_valid(model)

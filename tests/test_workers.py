@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 import taskpilots_graph as tp
 from taskpilots_graph.__main__ import main
 from taskpilots_graph.cli._workers import register
-from taskpilots_graph.config import Settings, open_graph
+from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.demo.batch import make_batch, thread_id
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.workers import (
@@ -37,7 +37,7 @@ from taskpilots_graph.workers import (
     RUN_TASK,
     _host,
     _run_job,
-    create_app,
+    create_worker_app,
     enqueue,
     enqueue_resume,
     serve_worker,
@@ -80,7 +80,7 @@ def _message(ticket: dict[str, Any]) -> dict[str, Any]:
 
 
 def _closed(db: str, tickets: list[dict[str, Any]]) -> list[str]:
-    settings = Settings(db, db)
+    settings = StorageSettings(db, db)
     with open_graph(GRAPH, settings) as graph:
         closed = []
         for ticket in tickets:
@@ -103,7 +103,7 @@ def _jobs(db: str) -> list[tuple[str, str | None, str | None, str]]:
 def test_worker_runs_enqueued_threads_each_locked_on_its_thread(world: dict[str, Any]) -> None:
     """4 tickets and a second input on one thread: all closed, jobs locked per thread."""
     tickets = world["tickets"][:4]
-    app = create_app(world["db"])
+    app = create_worker_app(world["db"])
     with app.open():
         ids = [enqueue(app, GRAPH, thread_id(t), _message(t)) for t in tickets]
         assert len(set(ids)) == 4
@@ -132,7 +132,7 @@ def test_a_job_run_again_never_sends_its_input_twice(world: dict[str, Any]) -> N
     """Run the same job (same input marker) twice: the second one resumes, not restarts."""
     ticket = world["tickets"][0]
     tid = thread_id(ticket)
-    with open_graph(GRAPH, Settings(world["db"], world["leases"])) as graph:
+    with open_graph(GRAPH, StorageSettings(world["db"], world["leases"])) as graph:
         _host(GRAPH, graph, stalled_after=30.0)
 
         class _Ctx:
@@ -189,7 +189,7 @@ def test_killed_worker_stalled_job_is_rerun_and_the_ticket_closes_once(
     services: Services = world["services"]
     ticket = world["tickets"][1]
     services.plant_kill("create_ticket", "after")
-    app = create_app(world["db"])
+    app = create_worker_app(world["db"])
     with app.open():
         enqueue(app, GRAPH, thread_id(ticket), _message(ticket))
     first = _worker(world, "--no-supervise")
@@ -215,7 +215,7 @@ def test_supervise_command_scans_once_and_reports(
 ) -> None:
     """``supervise --once`` prints a summary; a bad graph reference exits with status 2."""
     ticket = world["tickets"][2]
-    with open_graph(GRAPH, Settings(world["db"], world["leases"])) as graph:
+    with open_graph(GRAPH, StorageSettings(world["db"], world["leases"])) as graph:
         tp.run(graph, thread_id(ticket), _message(ticket))
     base = [sys.executable, "-m", "taskpilots_graph", "supervise", "--db", world["db"]]
     base += ["--leases", world["leases"], "--once"]
@@ -240,4 +240,4 @@ def test_supervise_command_scans_once_and_reports(
 def test_workers_need_postgres(tmp_path: Path) -> None:
     """The queue lives in PostgreSQL: a SQLite URL is a configuration error."""
     with pytest.raises(tp.ConfigurationError, match="PostgreSQL"):
-        create_app(f"sqlite:///{tmp_path / 'runs.db'}")
+        create_worker_app(f"sqlite:///{tmp_path / 'runs.db'}")

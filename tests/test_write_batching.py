@@ -29,7 +29,6 @@ from langchain_core.tools import StructuredTool
 
 from taskpilots_graph import (
     EventKind,
-    LedgerConflict,
     LedgerEntry,
     LedgerStatus,
     RecoveryCheckpointer,
@@ -38,7 +37,8 @@ from taskpilots_graph import (
     run,
     side_effect,
 )
-from taskpilots_graph.checkpointers.base import prepare_event
+from taskpilots_graph.errors import LedgerConflict
+from taskpilots_graph.events import prepare_event
 from taskpilots_graph.ledger import args_digest
 from taskpilots_graph.locks import MemoryLeaseBackend
 from taskpilots_graph.nodes._context import dump_message, messages_digest

@@ -36,7 +36,12 @@ from taskpilots_graph.checkpointers.base import (
 )
 from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import SqliteStore, mapped_errors, open_sqlite
+from taskpilots_graph.checkpointers.sqlite import (
+    RidingSqliteSaver,
+    SqliteStore,
+    mapped_errors,
+    open_sqlite,
+)
 from taskpilots_graph.errors import ConfigurationError
 
 __all__ = [
@@ -45,6 +50,7 @@ __all__ = [
     "AsyncRecoveryCheckpointer",
     "FileArtifactStore",
     "FsspecArtifactStore",
+    "RecoveryAPI",
     "RecoveryCheckpointer",
 ]
 
@@ -149,7 +155,7 @@ class RecoveryCheckpointer(RecoveryAPI):
                     database, uri=uri, check_same_thread=False, timeout=SQLITE_BUSY_TIMEOUT_S
                 )
             with closing(conn):
-                yield cls(SqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
+                yield cls(RidingSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
             from taskpilots_graph.checkpointers._pg_connect import PooledPostgresSaver, open_pool
 

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Self, cast
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+)
 
 from taskpilots_graph.checkpointers import _optional as optional
 from taskpilots_graph.checkpointers import retention
@@ -31,25 +41,26 @@ from taskpilots_graph.checkpointers.artifacts import (
     prepare_artifact,
     verify_artifact,
 )
-from taskpilots_graph.checkpointers.base import (
-    DecisionRecord,
-    EventRecord,
-    PendingRecord,
-    check_thread_id,
-    prepare_event,
-)
+from taskpilots_graph.checkpointers.base import DecisionRecord, HeldCommit, PendingRecord
 from taskpilots_graph.checkpointers.density import CheckpointDensity, HeldCheckpoints
+from taskpilots_graph.checkpointers.messages import riding
 from taskpilots_graph.checkpointers.retention import Keep, PruneReport
-from taskpilots_graph.compression import (
+from taskpilots_graph.compaction import (
     DEFAULT_KEY_FIELDS,
     DEFAULT_PROTECTED_KINDS,
     CompactionPolicy,
 )
-from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError
-from taskpilots_graph.events import Event, EventKind, mark_superseded
+from taskpilots_graph.errors import ArtifactNotFound, ConfigurationError, LedgerConflict
+from taskpilots_graph.events import (
+    Event,
+    EventKind,
+    EventRecord,
+    check_thread_id,
+    mark_superseded,
+    prepare_event,
+)
+from taskpilots_graph.leases import LeaseBackend, held_thread_lease
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import THREAD_LEASE_PREFIX, LeaseBackend
-from taskpilots_graph.locks.hold import current_thread_hold
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
 
@@ -89,6 +100,8 @@ class RecoveryAPI(DelegatingSaver):
             return self
         self._deferred()  # created now, so that the view shares them
         self._deferred_lock()
+        self._held_commits()
+        self._commit_mutex("")
         self._inputs_by_hold()
         self._effects_by_hold()
         view = copy.copy(self)
@@ -162,6 +175,7 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             CorruptRecordError: If a stored event cannot be decoded.
         """
+        self._flush_held([thread_id])  # the events of held commits too
         self.append_records([], flush=thread_id)  # read your own deferred events too
         return mark_superseded(
             cast(list[Event], self._call("events", thread_id, after_seq=after_seq))
@@ -169,6 +183,7 @@ class RecoveryAPI(DelegatingSaver):
 
     async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """Async form of :meth:`events`."""
+        await self._aflush_held([thread_id])
         await self.aappend_records([], flush=thread_id)
         return mark_superseded(
             cast(list[Event], await self._acall("events", thread_id, after_seq=after_seq))
@@ -182,18 +197,22 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             CorruptRecordError: If a stored entry cannot be decoded.
         """
+        self._flush_held([thread_id] if thread_id else self._held_threads())
         return cast(list[LedgerEntry], self._call("ledger", thread_id))
 
     async def aledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         """Async form of :meth:`ledger`."""
+        await self._aflush_held([thread_id] if thread_id else self._held_threads())
         return cast(list[LedgerEntry], await self._acall("ledger", thread_id))
 
     def ledger_entry(self, key: str) -> LedgerEntry | None:
         """The entry recorded under an invocation key, if any."""
+        self._flush_held(self._held_threads(key=key))
         return cast(LedgerEntry | None, self._call("ledger_get", key))
 
     async def aledger_entry(self, key: str) -> LedgerEntry | None:
         """Async form of :meth:`ledger_entry`."""
+        await self._aflush_held(self._held_threads(key=key))
         return cast(LedgerEntry | None, await self._acall("ledger_get", key))
 
     def committed_effect(
@@ -207,6 +226,7 @@ class RecoveryAPI(DelegatingSaver):
         writes: a fresh side effect costs no read, only a pair seen committed is looked up.
         Without the lease it is one indexed read.
         """
+        self._flush_held([thread_id])
         if self._effects_unknown(thread_id):
             found = self._call("ledger_committed_digests", thread_id)
             self._remember_effects(thread_id, found)
@@ -220,6 +240,7 @@ class RecoveryAPI(DelegatingSaver):
         self, thread_id: str, tool: str, args_digest: str
     ) -> CommittedEffect | None:
         """Async form of :meth:`committed_effect`."""
+        await self._aflush_held([thread_id])
         if self._effects_unknown(thread_id):
             found = await self._acall("ledger_committed_digests", thread_id)
             self._remember_effects(thread_id, found)
@@ -285,6 +306,7 @@ class RecoveryAPI(DelegatingSaver):
             ConfigurationError: For a thread id no backend stores (nothing is written).
         """
         check_thread_id(entry.thread_id)
+        self._flush_held(_threads(entry, events))
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             written = cast(
@@ -305,6 +327,7 @@ class RecoveryAPI(DelegatingSaver):
     ) -> list[Event]:
         """Async form of :meth:`write_ledger`."""
         check_thread_id(entry.thread_id)
+        await self._aflush_held(_threads(entry, events))
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
             written = cast(
@@ -323,6 +346,7 @@ class RecoveryAPI(DelegatingSaver):
 
         Events deferred for the same threads (and for ``flush``) go first.
         """
+        self._flush_held(self._held_before(records, flush))
         batch = self._with_deferred(records, flush)
         return cast(list[Event], self._call("append_events", batch)) if batch else []
 
@@ -330,8 +354,224 @@ class RecoveryAPI(DelegatingSaver):
         self, records: Sequence[EventRecord], *, flush: str | None = None
     ) -> list[Event]:
         """Async form of :meth:`append_records`."""
+        await self._aflush_held(self._held_before(records, flush))
         batch = self._with_deferred(records, flush)
         return cast(list[Event], await self._acall("append_events", batch)) if batch else []
+
+    # -- commits riding a task's writes ------------------------------------------------------
+    # The commit of a tool that settles a lost commit itself (idempotent, or with a
+    # pre-check) is held here per (thread, task) and written in the transaction of that
+    # task's put_writes: the task's writes and its commit are durable together or not at
+    # all, for no commit of their own. Anything else that reads or writes the thread's
+    # ledger or events first, or puts the thread's next checkpoint, writes the held commits
+    # on their own first. LangGraph runs a task's put_writes in its background executor,
+    # concurrently with the put of the next checkpoint and even with later steps
+    # (``durability="sync"`` waits for the put only), so every hand-over holds the thread's
+    # commit mutex until the commit is durable, and a put_writes or put takes the mutex
+    # before writing: neither can make a step durable while its commit may still be lost
+    # (the step's writes or checkpoint without the commit would leave an intent that the
+    # repeat guard does not see). Only the sync checkpointer holds commits.
+
+    def hold_commit(
+        self,
+        entry: LedgerEntry,
+        *,
+        expect: tuple[LedgerStatus, int] | None,
+        events: Sequence[PendingRecord],
+        task_id: str,
+    ) -> bool:
+        """Hold a ledger commit for the put_writes of ``task_id``; ``False`` (nothing held:
+        write it with :meth:`write_ledger`) when this checkpointer's saver cannot carry it."""
+        if self.held is not None or not getattr(self.inner, "rides_commits", False):
+            return False  # held checkpoints batch put_writes; other savers have no hook
+        ride = getattr(getattr(self, "store", None), "ledger_ride", None)
+        if not callable(ride) or inspect.iscoroutinefunction(ride):
+            return False
+        check_thread_id(entry.thread_id)
+        commit = HeldCommit(entry, expect, tuple(events), task_id)
+        with self._deferred_lock():
+            self._held_commits().setdefault(entry.thread_id, []).append(commit)
+        self._note_effect(entry)
+        return True
+
+    def _held_commits(self) -> dict[str, list[HeldCommit]]:
+        held: dict[str, list[HeldCommit]] | None = self.__dict__.get("_held_commit_map")
+        if held is None:
+            held = self.__dict__.setdefault("_held_commit_map", {})
+        return held
+
+    def _commit_mutex(self, thread_id: str) -> threading.RLock:
+        """The mutex of ``thread_id``'s held commits (striped: bounded memory)."""
+        stripes: list[threading.RLock] | None = self.__dict__.get("_commit_mutexes")
+        if stripes is None:
+            made = [threading.RLock() for _ in range(_MUTEX_STRIPES)]
+            stripes = self.__dict__.setdefault("_commit_mutexes", made)
+        return stripes[hash(thread_id) % _MUTEX_STRIPES]
+
+    def _holds_commits(self) -> bool:
+        return bool(self.__dict__.get("_held_commit_map"))
+
+    def _held_threads(self, thread_id: str | None = None, *, key: str | None = None) -> set[str]:
+        """Threads holding commits: ``thread_id``'s, the one of entry ``key``, or all."""
+        with self._deferred_lock():
+            held = self._held_commits()
+            if thread_id is not None:
+                return {thread_id} if held.get(thread_id) else set()
+            if key is not None:
+                return {t for t, cs in held.items() if any(c.entry.key == key for c in cs)}
+            return {t for t, cs in held.items() if cs}
+
+    def _held_before(self, records: Sequence[EventRecord], flush: str | None) -> set[str]:
+        """Threads whose held commits go before an append of events: only when the append
+        writes anything (events keep their order); an empty flush (the end of a tool call)
+        leaves them to ride."""
+        threads = {r.thread_id for r in records} | ({flush} if flush else set())
+        with self._deferred_lock():
+            deferred = self._deferred()
+            if not records and not any(deferred.get(t) for t in threads):
+                return set()
+        return {t for t in threads if self._held_threads(t)}
+
+    def _take_held(
+        self, thread_id: str, which: Callable[[HeldCommit], bool] = lambda c: not c.parked
+    ) -> list[HeldCommit]:
+        """Take the thread's held commits that ``which`` selects (default: not parked)."""
+        with self._deferred_lock():
+            held = self._held_commits()
+            commits = held.pop(thread_id, [])
+            rest = [c for c in commits if not which(c)]
+            if rest:
+                held[thread_id] = rest
+            return [c for c in commits if which(c)]
+
+    def _restore_held(self, commits: Sequence[HeldCommit]) -> None:
+        with self._deferred_lock():
+            for commit in reversed(commits):
+                self._held_commits().setdefault(commit.entry.thread_id, []).insert(0, commit)
+
+    def _flush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
+        """Write the held commits of ``thread_ids`` now, each in its own transaction (the
+        parked ones too if ``parked``); waits for a put_writes carrying one of them."""
+        if not self._holds_commits():
+            return  # nothing was ever held: no mutex to wait for
+        for thread_id in thread_ids:
+            with self._commit_mutex(thread_id):
+                if parked:
+                    self._write_held(self._take_held(thread_id, lambda c: True))
+                else:
+                    self._write_held(self._take_held(thread_id))
+
+    def _write_held(self, commits: Sequence[HeldCommit]) -> None:
+        for done, commit in enumerate(commits):
+            try:
+                self._call("ledger_write", commit.entry, expect=commit.expect, events=commit.events)
+            except LedgerConflict as exc:
+                raise LedgerConflict(commit.entry.key, performed=True) from exc
+            except BaseException:  # not written: for the put of the next checkpoint only
+                self._restore_held([replace(c, parked=True) for c in commits[done:]])
+                raise
+
+    async def _aflush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
+        """Async form of :meth:`_flush_held` (commits are held by the sync checkpointer
+        only: its writes and the mutex wait run in a worker thread)."""
+        if self._holds_commits():
+            await asyncio.to_thread(self._flush_held, list(thread_ids), parked=parked)
+
+    def _drop_parked(self, config: RunnableConfig) -> None:
+        """A run loads the thread: the parked commits of a run that failed are dropped (that
+        run's writes did not become durable; this one settles the calls)."""
+        if self._holds_commits():
+            thread_id = _thread_of(config)
+            with self._commit_mutex(thread_id):
+                self._take_held(thread_id, lambda c: c.parked)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        self._drop_parked(config)
+        return super().get_tuple(config)
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        self._drop_parked(config)
+        return await super().aget_tuple(config)
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        # Before the checkpoint that completes a step: that step's commits are durable
+        # (carried by a put_writes that ended, or written here).
+        self._flush_held([_thread_of(config)], parked=True)
+        return super().put(config, checkpoint, metadata, new_versions)
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        await self._aflush_held([_thread_of(config)], parked=True)
+        return await super().aput(config, checkpoint, metadata, new_versions)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        thread_id = _thread_of(config)
+        if not self._holds_commits():
+            super().put_writes(config, writes, task_id, task_path)
+            return
+        with self._commit_mutex(thread_id):
+            commits = self._take_held(thread_id, lambda c: c.task_id == task_id and not c.parked)
+            if commits:
+                self._carry(commits, config, writes, task_id, task_path)
+                return
+        # Nothing of this task's is held, and no hand-over of the thread is under way.
+        super().put_writes(config, writes, task_id, task_path)
+
+    def _carry(
+        self,
+        commits: list[HeldCommit],
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str,
+    ) -> None:
+        """The task's put_writes with its held commits in the saver's transaction."""
+        store = getattr(self, "store", None)
+        write = store.ledger_ride(commits)  # type: ignore[union-attr]
+        if write is None:  # the store cannot carry these: commits first, on their own
+            self._write_held(commits)
+            super().put_writes(config, writes, task_id, task_path)
+            return
+        try:
+            with riding(store) as carried:
+                carried.take(commits, write=write)
+                super().put_writes(config, writes, task_id, task_path)
+        except LedgerConflict as exc:
+            raise LedgerConflict(exc.key, performed=True) from exc
+        except BaseException:
+            if not carried.written:  # for the put of the next checkpoint only
+                self._restore_held([replace(c, parked=True) for c in commits])
+            raise
+        if carried.stranded:  # the saver did not take them (not expected): now, on their own
+            self._write_held(commits)
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        # A sync task of an async run: its commit goes first, on its own.
+        await self._aflush_held([_thread_of(config)])
+        await super().aput_writes(config, writes, task_id, task_path)
 
     # -- deferred records --------------------------------------------------------------------
     # Records that need no durability of their own wait in memory and ride along with the
@@ -475,8 +715,7 @@ class RecoveryAPI(DelegatingSaver):
         return memo
 
     def _tenure(self, thread_id: str) -> object | None:
-        hold = current_thread_hold()
-        return hold if hold is not None and hold.name == THREAD_LEASE_PREFIX + thread_id else None
+        return held_thread_lease(thread_id)
 
     def _inputs_unknown(self, thread_id: str, checkpoint_ns: str) -> bool:
         tenure = self._tenure(thread_id)
@@ -519,7 +758,7 @@ class RecoveryAPI(DelegatingSaver):
         Payloads are rewritten in place (seq, kind and time stay); ledger-relevant fields
         (``key``, ``status``, ``proof``, ``tool``, ``tool_call_id``) are always kept and
         ``protected_kinds`` are never touched. See
-        :func:`taskpilots_graph.compression.compact_events` for the rules. Idempotent.
+        :func:`taskpilots_graph.compaction.compact_events` for the rules. Idempotent.
 
         Returns:
             How many events were rewritten.
@@ -741,6 +980,13 @@ class RecoveryAPI(DelegatingSaver):
         self.message_log.forget(thread_id)
         if self.artifact_store is not None:
             await asyncio.to_thread(self.artifact_store.delete_artifacts, thread_id)
+
+
+_MUTEX_STRIPES = 64
+
+
+def _thread_of(config: RunnableConfig) -> str:
+    return str(config.get("configurable", {}).get("thread_id") or "")
 
 
 def _threads(entry: LedgerEntry, events: Sequence[EventRecord]) -> set[str]:

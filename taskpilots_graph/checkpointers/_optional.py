@@ -72,16 +72,11 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph.checkpointers.base import (
-    DecisionRecord,
-    EventRecord,
-    PendingRecord,
-    check_thread_id,
-)
+from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
 from taskpilots_graph.checkpointers.sqlite import mapped_errors
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
-from taskpilots_graph.events import Event, encode_payload
+from taskpilots_graph.events import Event, EventRecord, check_thread_id, encode_payload
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, Step, default_key, next_step
 
 if TYPE_CHECKING:

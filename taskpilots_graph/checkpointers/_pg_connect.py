@@ -10,7 +10,14 @@ from __future__ import annotations
 import math
 import select
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+    nullcontext,
+    suppress,
+)
 from typing import Any, Final
 
 import psycopg
@@ -20,6 +27,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from taskpilots_graph.checkpointers.messages import Ride, pending_ride
 from taskpilots_graph.errors import (
     ConfigurationError,
     StorageBusy,
@@ -374,15 +382,49 @@ class PooledPostgresSaver(PostgresSaver):
         if isinstance(conn, ConnectionPool):
             self.lock = _NoLock()  # type: ignore[assignment]  # same protocol as Lock
 
+    @property
+    def rides_messages(self) -> bool:
+        """Whether ``put`` writes the checkpoint's message rows in its own transaction
+        (:class:`~taskpilots_graph.checkpointers.messages.Ride`): over a pool, where each
+        put has a connection of its own."""
+        return isinstance(self.conn, ConnectionPool) and self.pipe is None
+
+    @property
+    def rides_commits(self) -> bool:
+        """Whether ``put_writes`` takes held ledger commits into its transaction (through
+        :meth:`_cursor`, as ``put`` takes message rows)."""
+        return self.rides_messages
+
     @contextmanager
     def _cursor(self, *, pipeline: bool = False) -> Iterator[Any]:
+        ride = pending_ride() if pipeline and self.rides_messages else None
         try:
-            with super()._cursor(pipeline=pipeline) as cur:
-                yield cur
+            if ride is None or ride.write is None:
+                with super()._cursor(pipeline=pipeline) as cur:
+                    yield cur
+            else:
+                with self._riding_cursor(ride) as cur:
+                    yield cur
         except psycopg.Error as exc:
             if (typed := _typed(exc)) is None:
                 raise
             raise typed from exc
+
+    @contextmanager
+    def _riding_cursor(self, ride: Ride) -> Iterator[Any]:
+        # Upstream's pipelined put is one implicit transaction (its statements up to the
+        # pipeline's sync); the explicit one takes the message rows in with them, and keeps
+        # the put atomic where pipelines are not supported.
+        assert isinstance(self.conn, ConnectionPool)
+        assert ride.write is not None
+        with self.conn.connection() as conn:
+            pipe: AbstractContextManager[Any] = (
+                conn.pipeline() if self.supports_pipeline else nullcontext()
+            )
+            with pipe, conn.transaction(), conn.cursor(binary=True, row_factory=dict_row) as cur:
+                ride.write(cur)
+                yield cur
+        ride.written = True
 
     def get_tuple(self, config: Any) -> Any:
         try:
@@ -410,6 +452,11 @@ class PooledPostgresSaver(PostgresSaver):
         super().put_writes(config, writes, task_id, task_path)
 
 
+@asynccontextmanager
+async def _anull() -> AsyncIterator[None]:
+    yield None
+
+
 class PooledAsyncPostgresSaver(AsyncPostgresSaver):
     """``AsyncPostgresSaver`` without its per-instance lock when it draws from a pool.
 
@@ -430,10 +477,20 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
                 raise
             raise typed from exc
 
+    @property
+    def rides_messages(self) -> bool:
+        """As :attr:`PooledPostgresSaver.rides_messages`."""
+        return isinstance(self.conn, AsyncConnectionPool) and self.pipe is None
+
     @asynccontextmanager
     async def _raw_cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
         if not isinstance(self.conn, AsyncConnectionPool) or self.pipe:
             async with super()._cursor(pipeline=pipeline) as cur:
+                yield cur
+            return
+        ride = pending_ride() if pipeline else None
+        if ride is not None and ride.awrite is not None:
+            async with self._riding_cursor(self.conn, ride) as cur:
                 yield cur
             return
         async with self.conn.connection() as conn:
@@ -450,6 +507,25 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
             else:
                 async with conn.cursor(binary=True, row_factory=dict_row) as cur:
                     yield cur
+
+    @asynccontextmanager
+    async def _riding_cursor(
+        self, pool: AsyncConnectionPool[Any], ride: Ride
+    ) -> AsyncIterator[Any]:
+        # As PooledPostgresSaver._riding_cursor: the put and its message rows commit once.
+        assert ride.awrite is not None
+        async with pool.connection() as conn:
+            pipe: AbstractAsyncContextManager[Any] = (
+                conn.pipeline() if self.supports_pipeline else _anull()
+            )
+            async with (
+                pipe,
+                conn.transaction(),
+                conn.cursor(binary=True, row_factory=dict_row) as cur,
+            ):
+                await ride.awrite(cur)
+                yield cur
+        ride.written = True
 
     async def aget_tuple(self, config: Any) -> Any:
         try:

@@ -552,7 +552,9 @@ MESSAGES: Final[dict[Dialect, dict[str, str]]] = {
         ),
     },
     # One statement per checkpoint: no BEGIN/COMMIT round trips, atomic as every statement.
-    # Arrays are sent in binary (%b): bytea in text format would travel as hex.
+    # Arrays are sent in binary (%b): bytea in text format would travel as hex. Every insert
+    # ignores rows already there: the saver retries a put whose COMMIT was lost (it may have
+    # committed), and the rows ride in that put's transaction.
     "postgres": {
         "write": """
             WITH s AS (
@@ -562,6 +564,7 @@ MESSAGES: Final[dict[Dialect, dict[str, str]]] = {
                 FROM unnest(%(s_seq)b::bigint[], %(s_ns)b::text[], %(s_channel)b::text[],
                             %(s_parent)b::bigint[], %(s_parent_len)b::int[])
                     AS x(seq, ns, channel, parent, parent_len)
+                ON CONFLICT (thread_id, seq) DO NOTHING
             ),
             m AS (
                 INSERT INTO taskpilots_messages (thread_id, key, message_id, type, payload)
@@ -574,6 +577,7 @@ MESSAGES: Final[dict[Dialect, dict[str, str]]] = {
             SELECT %(thread_id)s, x.seq, x.position, x.key
             FROM unnest(%(r_seq)b::bigint[], %(r_position)b::int[], %(r_key)b::bytea[])
                 AS x(seq, position, key)
+            ON CONFLICT (thread_id, seq, position) DO NOTHING
         """,
         "read": _READ_MESSAGES.format(
             p_seq="%(seq)s::bigint",

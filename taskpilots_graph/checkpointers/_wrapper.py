@@ -6,15 +6,17 @@ saver protocol through one piece of code. Anything that touches the recovery sto
 
 One thing changes on the way: message lists are stored once per thread in the recovery
 store (:mod:`.messages`) and the checkpoint handed to the saver refers to them. ``put``
-writes the message rows first, then the checkpoint; every read (``get_tuple``, ``list``,
-``get``, their async forms, the seeds of ``get_delta_channel_history``) rebuilds the exact
-lists, so callers see what the bare saver would have returned.
+writes the message rows in the checkpoint's transaction when the saver takes them (see
+:class:`~.messages.Ride`), otherwise first, then the checkpoint; every read (``get_tuple``,
+``list``, ``get``, their async forms, the seeds of ``get_delta_channel_history``) rebuilds
+the exact lists, so callers see what the bare saver would have returned.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from langchain_core.messages import BaseMessage
@@ -29,21 +31,23 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from taskpilots_graph.checkpointers.base import check_thread_id
 from taskpilots_graph.checkpointers.density import HeldCheckpoints, run_async, run_sync
 from taskpilots_graph.checkpointers.messages import (
     LoadedRow,
     MessageLog,
     MessageRef,
     MessageRows,
+    Ride,
     as_value,
     message_refs,
     read_marker,
     rebuild,
+    riding,
     with_values,
 )
 from taskpilots_graph.checkpointers.sqlite import mapped_errors
 from taskpilots_graph.errors import CorruptRecordError
+from taskpilots_graph.events import check_thread_id
 
 __all__ = ["DelegatingSaver"]
 
@@ -134,6 +138,12 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         # write start a new sequence instead of appending after rows that may be missing.
         self.message_log.forget(rows.thread_id)
 
+    def _riding(self) -> AbstractContextManager[Ride | None]:
+        # Only a saver that declares it takes the rows into its put (see .messages.Ride).
+        if getattr(self.inner, "rides_messages", False):
+            return riding(getattr(self, "store", None))
+        return nullcontext()
+
     def _put(
         self,
         config: RunnableConfig,
@@ -141,15 +151,23 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        """The saver's ``put``, after the messages the checkpoint refers to are stored."""
+        """The saver's ``put``, with the messages the checkpoint refers to stored in its
+        transaction, or before it."""
         encoded, rows = self._encoded(config, checkpoint)
-        if rows is not None:
-            try:
+        if rows is None:
+            return self.inner.put(config, encoded, metadata, new_versions)
+        try:
+            with self._riding() as ride:
                 self._call("messages_write", rows)
-            except BaseException:
-                self._failed_write(rows)
-                raise
-        return self.inner.put(config, encoded, metadata, new_versions)
+                stored = self.inner.put(config, encoded, metadata, new_versions)
+            if ride is not None and ride.stranded:
+                # The store handed the rows over but the saver's put did not take them (a
+                # put reached through another thread or loop): store them now.
+                self._call("messages_write", rows)
+        except BaseException:
+            self._failed_write(rows)
+            raise
+        return stored
 
     async def _aput(
         self,
@@ -160,13 +178,18 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
     ) -> RunnableConfig:
         """Async twin of :meth:`_put`."""
         encoded, rows = self._encoded(config, checkpoint)
-        if rows is not None:
-            try:
+        if rows is None:
+            return await self.inner.aput(config, encoded, metadata, new_versions)
+        try:
+            with self._riding() as ride:
                 await self._acall("messages_write", rows)
-            except BaseException:
-                self._failed_write(rows)
-                raise
-        return await self.inner.aput(config, encoded, metadata, new_versions)
+                stored = await self.inner.aput(config, encoded, metadata, new_versions)
+            if ride is not None and ride.stranded:
+                await self._acall("messages_write", rows)
+        except BaseException:
+            self._failed_write(rows)
+            raise
+        return stored
 
     def _check_readable(self, thread_id: str, refs: Mapping[str, MessageRef]) -> None:
         if refs and not self._message_store():

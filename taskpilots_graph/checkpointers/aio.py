@@ -21,9 +21,14 @@ from taskpilots_graph.checkpointers.base import (
 )
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore, mapped_errors, open_sqlite
+from taskpilots_graph.checkpointers.sqlite import (
+    AsyncSqliteStore,
+    RidingAsyncSqliteSaver,
+    mapped_errors,
+    open_sqlite,
+)
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.leases import LeaseBackend
 
 __all__ = ["AsyncRecoveryCheckpointer"]
 
@@ -129,7 +134,8 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
             with mapped_errors("open"):
                 conn = await aiosqlite.connect(database, uri=uri, timeout=SQLITE_BUSY_TIMEOUT_S)
             try:
-                yield cls(AsyncSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
+                sqlite_saver = RidingAsyncSqliteSaver(conn, serde=compressed_serde())
+                yield cls(sqlite_saver, artifacts=artifacts)
             finally:
                 await conn.close()
         else:

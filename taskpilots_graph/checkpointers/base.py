@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
-from taskpilots_graph.compression import CompactionPolicy
+from taskpilots_graph.compaction import CompactionPolicy
 from taskpilots_graph.errors import (
     ConfigurationError,
     CorruptRecordError,
@@ -35,25 +35,22 @@ from taskpilots_graph.errors import (
     StorageUnavailable,
     UnsupportedOperation,
 )
-from taskpilots_graph.events import Event, EventKind, encode_payload, event_from_row
+from taskpilots_graph.events import Event, EventRecord, event_from_row
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = [
     "DEFAULT_POOL_SIZE",
-    "MAX_THREAD_ID_BYTES",
     "SQLITE_BUSY_TIMEOUT_S",
     "AsyncMessageStore",
     "AsyncRecoveryStore",
     "ConnTarget",
     "DecisionRecord",
-    "EventRecord",
+    "HeldCommit",
     "MessageStore",
     "PendingRecord",
     "RecoveryStore",
-    "check_thread_id",
     "enable_wal",
     "parse_conn_string",
-    "prepare_event",
     "require_override",
     "rows_to_events",
     "skipping_corrupt_events",
@@ -68,47 +65,6 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 
 DEFAULT_POOL_SIZE = 8
 """Connections in the PostgreSQL pool that the saver and the recovery store share."""
-
-
-MAX_THREAD_ID_BYTES = 1024
-"""The longest thread id stored, in UTF-8 bytes (every backend indexes it; PostgreSQL's
-index rows stop near 2.7 KB)."""
-
-
-def check_thread_id(thread_id: object) -> str:
-    """``thread_id`` if every backend can store it; the one rule, checked before any write.
-
-    Raises:
-        ConfigurationError: For a non-string or empty id, a NUL character, a lone surrogate
-            (not encodable as UTF-8) or an id longer than :data:`MAX_THREAD_ID_BYTES`.
-    """
-    if not isinstance(thread_id, str) or not thread_id:
-        raise ConfigurationError(
-            f"thread_id must be a non-empty string, got {_shown(thread_id)} "
-            f"({type(thread_id).__name__})"
-        )
-    if "\x00" in thread_id:
-        raise ConfigurationError(
-            f"thread_id {_shown(thread_id)} contains a NUL character, which no backend stores"
-        )
-    try:
-        size = len(thread_id.encode())
-    except UnicodeEncodeError as exc:
-        raise ConfigurationError(
-            f"thread_id {_shown(thread_id)} is not valid Unicode text (a lone surrogate at "
-            f"position {exc.start}); it cannot be stored"
-        ) from exc
-    if size > MAX_THREAD_ID_BYTES:
-        raise ConfigurationError(
-            f"thread_id {_shown(thread_id)} is {size} bytes long in UTF-8; at most "
-            f"{MAX_THREAD_ID_BYTES} are stored (use a hash or a shorter id)"
-        )
-    return thread_id
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def enable_wal(execute: Callable[[str], Any]) -> None:
@@ -244,30 +200,6 @@ def parse_conn_string(conn_string: str) -> ConnTarget:
 
 
 @dataclass(frozen=True, slots=True)
-class EventRecord:
-    """An event validated and encoded, ready for a store to insert."""
-
-    thread_id: str
-    kind: EventKind
-    ts: float
-    checkpoint_ns: str
-    checkpoint_id: str | None
-    payload: str
-
-    def to_event(self, seq: int) -> Event:
-        """The :class:`Event` this record becomes once stored at ``seq``."""
-        return event_from_row(
-            thread_id=self.thread_id,
-            seq=seq,
-            kind=self.kind,
-            ts=self.ts,
-            payload=self.payload,
-            checkpoint_id=self.checkpoint_id,
-            checkpoint_ns=self.checkpoint_ns,
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class DecisionRecord:
     """A model decision to record, written like events (``append_events``, ``ledger_write``).
 
@@ -296,48 +228,23 @@ PendingRecord = EventRecord | DecisionRecord
 """What a store writes in one transaction beside a ledger entry: events and decisions."""
 
 
-def prepare_event(
-    thread_id: str,
-    kind: EventKind | str,
-    payload: Mapping[str, Any] | None,
-    *,
-    checkpoint_id: str | None,
-    checkpoint_ns: str,
-) -> EventRecord:
-    """Validate an event before anything is written.
+@dataclass(frozen=True, slots=True)
+class HeldCommit:
+    """A ledger commit held for the put_writes of the task that performed it.
 
-    Raises:
-        ConfigurationError: For a thread id :func:`check_thread_id` refuses, an unknown
-            kind or a payload that is not JSON-serialisable or too large.
+    Only commits of tools that settle a lost commit themselves ride (an idempotent service
+    or a pre-check): written in the same transaction as the task's writes, a crash loses
+    both or neither, and a lost one is settled on resume like any unrecorded attempt.
     """
-    check_thread_id(thread_id)
-    if not isinstance(checkpoint_ns, str):
-        raise ConfigurationError("checkpoint_ns must be a string")
-    if "\x00" in checkpoint_ns or _unencodable(checkpoint_ns):
-        raise ConfigurationError(
-            f"checkpoint_ns {checkpoint_ns!r} contains characters no backend can store"
-        )
-    try:
-        event_kind = EventKind(kind)
-    except ValueError as exc:
-        known = ", ".join(k.value for k in EventKind)
-        raise ConfigurationError(f"unknown event kind {kind!r}; known kinds: {known}") from exc
-    return EventRecord(
-        thread_id=thread_id,
-        kind=event_kind,
-        ts=time.time(),
-        checkpoint_ns=checkpoint_ns,
-        checkpoint_id=checkpoint_id,
-        payload=encode_payload(payload),
-    )
 
-
-def _unencodable(value: str) -> bool:
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return True
-    return False
+    entry: LedgerEntry
+    expect: tuple[LedgerStatus, int] | None
+    events: tuple[PendingRecord, ...]
+    task_id: str
+    parked: bool = False
+    """Its put_writes failed: only the put of the next checkpoint of the run that failed
+    writes it (before that checkpoint); the thread's next run drops it and settles the call
+    as an unrecorded attempt, as it would after a commit that failed on its own."""
 
 
 _SKIPPED: ContextVar[list[CorruptRecordError] | None] = ContextVar(
@@ -540,7 +447,9 @@ class MessageStore(Protocol):
 
     def messages_write(self, rows: MessageRows) -> None:
         """Insert new sequences, references and (if the thread lacks their key) messages,
-        atomically; durable on return."""
+        atomically; durable on return. Inside a ride (:func:`.messages.riding`, opened
+        only for a saver declaring ``rides_messages``) a built-in store hands the rows to
+        the saver's ``put`` instead, which commits them with the checkpoint."""
 
     def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
         """The rows of positions ``0..length-1`` of sequence ``seq`` (following its

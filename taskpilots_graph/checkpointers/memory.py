@@ -14,7 +14,7 @@ from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
-from taskpilots_graph.compression import CompactionPolicy
+from taskpilots_graph.compaction import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus

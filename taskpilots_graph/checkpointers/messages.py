@@ -34,12 +34,14 @@ saver untouched, and checkpoints written without the store (before it existed, o
 plain LangGraph saver) load as they are.
 
 The stores (memory, SQLite, PostgreSQL) insert :class:`MessageRows` and answer reads with
-``(position, key, type, payload)`` rows; the checkpointer writes the rows before the
-checkpoint that refers to them, in a transaction of their own (a crash in between leaves
-unreferenced rows, never a checkpoint pointing at nothing). On SQLite one shared
-transaction would be possible in principle, but ``SqliteSaver.put`` commits inside its own
-non-reentrant lock; two commits keep the saver unmodified. Retention never deletes message
-rows (a kept checkpoint may refer to any of them); ``delete_thread`` deletes them all.
+``(position, key, type, payload)`` rows. The rows are written in the same transaction as the
+checkpoint that refers to them (a :class:`Ride`) when the saver is one the checkpointer
+opened itself (``from_conn_string``): the savers of :mod:`.sqlite` and :mod:`._pg_connect`
+take them into their ``put``, so a reader never sees the checkpoint without its rows and
+the rows cost no commit of their own. Any other saver gets them first, in a transaction of
+their own (a crash in between leaves unreferenced rows, never a checkpoint pointing at
+nothing). Retention never deletes message rows (a kept checkpoint may refer to any of
+them); ``delete_thread`` deletes them all.
 
 Why not LangGraph's ``DeltaChannel`` (beta in 1.2): it is chosen by the graph's author per
 state field, not by the checkpointer, so existing graphs using ``add_messages`` would not
@@ -57,7 +59,9 @@ import hashlib
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from operator import is_
 from typing import Any, Final
@@ -67,6 +71,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import Checkpoint
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
+from taskpilots_graph._messages import MessageList
 from taskpilots_graph.errors import CorruptRecordError
 
 __all__ = [
@@ -79,12 +84,15 @@ __all__ = [
     "MessageRef",
     "MessageRows",
     "RecordMap",
+    "Ride",
     "SequenceRow",
     "StoredMessage",
     "as_value",
     "message_refs",
+    "pending_ride",
     "read_marker",
     "rebuild",
+    "riding",
     "with_values",
 ]
 
@@ -309,7 +317,10 @@ def _common_prefix(stored: Sequence[Any], value: Sequence[Any]) -> int:
 
 def _same_names(stored: Sequence[str], value: Sequence[str], upto: int) -> int:
     # Keys are compared by value (strings); a record map's prefix ends at the first
-    # position whose key or record differs.
+    # position whose key or record differs. One C-level comparison in the usual case (no
+    # key changed); the position of a difference is searched for only when there is one.
+    if stored[:upto] == value[:upto]:
+        return upto
     for i in range(upto):
         if stored[i] != value[i]:
             return i
@@ -397,7 +408,7 @@ class MessageLog:
         for channel, value in (checkpoint.get("channel_values") or {}).items():
             if not value:
                 continue
-            if type(value) is list:
+            if type(value) is list or type(value) is MessageList:
                 planned = self._plan((thread_id, ns, channel), value, None, serde)
             elif type(value) is RecordMap:
                 names = list(value)
@@ -519,3 +530,66 @@ class MessageLog:
             for known in (self._written, self._read):
                 for key in [k for k in known if k[0] == thread_id]:
                     del known[key]
+
+
+@dataclass(slots=True, eq=False)
+class Ride:
+    """A checkpoint's message rows, handed from the store to the saver's own transaction.
+
+    Open around one ``put`` by :func:`riding`: the store's ``messages_write`` finds it and
+    leaves the rows here (with the function that inserts them on the saver's cursor or
+    connection) instead of committing them; the saver's ``put`` inserts them in the
+    transaction that writes the checkpoint and marks the ride ``written`` once it committed.
+    A failed attempt leaves them unwritten, and a saver's retry inserts them again (every
+    insert ignores rows already there).
+    """
+
+    store: object
+    """The store whose ``messages_write`` may hand its rows over (the saver's database)."""
+    rows: object | None = None
+    """The rows held: :class:`MessageRows`, or the ledger commits riding a put_writes."""
+    write: Callable[[Any], None] | None = None
+    awrite: Callable[[Any], Awaitable[None]] | None = None
+    written: bool = False
+
+    def take(
+        self,
+        rows: object,
+        write: Callable[[Any], None] | None = None,
+        awrite: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> None:
+        """Hold ``rows`` for the saver, with their sync or async insert."""
+        self.rows, self.write, self.awrite = rows, write, awrite
+
+    @property
+    def stranded(self) -> bool:
+        """Rows were handed over, but no saver transaction wrote them."""
+        return self.rows is not None and not self.written
+
+
+_RIDE: ContextVar[Ride | None] = ContextVar("taskpilots_message_ride", default=None)
+
+
+@contextmanager
+def riding(store: object) -> Iterator[Ride]:
+    """Within the block, ``store.messages_write`` hands its rows to the saver's next put.
+
+    A context variable, so concurrent puts (threads, tasks) each carry their own rows.
+    """
+    ride = Ride(store)
+    token = _RIDE.set(ride)
+    try:
+        yield ride
+    finally:
+        _RIDE.reset(token)
+
+
+def pending_ride(store: object | None = None) -> Ride | None:
+    """The open ride of this context: for ``store`` to hand rows to (``store`` given), or
+    for a saver to write (rows held, not yet written)."""
+    ride = _RIDE.get()
+    if ride is None:
+        return None
+    if store is not None:
+        return ride if ride.store is store and ride.rows is None else None
+    return ride if ride.rows is not None and not ride.written else None

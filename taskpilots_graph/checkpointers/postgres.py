@@ -49,19 +49,19 @@ from taskpilots_graph.checkpointers.artifacts import (
 )
 from taskpilots_graph.checkpointers.base import (
     DecisionRecord,
-    EventRecord,
+    HeldCommit,
     PendingRecord,
     rows_to_events,
 )
-from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
-from taskpilots_graph.compression import CompactionPolicy, EventCompaction
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows, pending_ride
+from taskpilots_graph.compaction import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
     MigrationError,
     StorageError,
 )
-from taskpilots_graph.events import Event
+from taskpilots_graph.events import Event, EventRecord
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
@@ -269,6 +269,19 @@ def _one_statement(
     return _write(statement, params, thread_id, group)
 
 
+def _ride_statements(
+    held: Sequence[HeldCommit],
+) -> list[tuple[str, tuple[str, dict[str, Any], list[EventRecord]]]] | None:
+    """Each held commit with its events as one statement, or ``None`` if one cannot be."""
+    statements = []
+    for commit in held:
+        statement, params = ledger_write_sql(_D, commit.entry, commit.expect)
+        if (one := _one_statement(statement, params, commit.events)) is None:
+            return None
+        statements.append((commit.entry.key, one))
+    return statements
+
+
 def _message_params(rows: MessageRows) -> dict[str, Any]:
     """Parameters of ``MESSAGES["write"]``: one array per column (unnest-ed server side)."""
     return {
@@ -420,7 +433,16 @@ class PostgresStore:
     @_guarded
     def messages_write(self, rows: MessageRows) -> None:
         """Insert a checkpoint's new messages, sequences and references: one statement,
+        in the saver's transaction inside a ride (see :class:`.messages.Ride`), otherwise
         committed before the saver writes the checkpoint that refers to them."""
+        if (ride := pending_ride(self)) is not None:
+            if not self.schema_checked:  # the saver's put checks no version
+                with self._transaction(write=False):
+                    pass
+            ride.take(
+                rows, write=lambda cur: cur.execute(_MESSAGES["write"], _message_params(rows))
+            )
+            return
         with self._transaction(begin=False) as cur:
             cur.execute(_MESSAGES["write"], _message_params(rows))
 
@@ -462,6 +484,30 @@ class PostgresStore:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
             return _append_all(cur, events)
+
+    @_guarded
+    def ledger_ride(self, held: Sequence[HeldCommit]) -> Callable[[Any], None] | None:
+        """The insert of held commits on the saver's cursor (its put_writes transaction),
+        or ``None`` when a commit's events span threads (then it is written on its own).
+
+        A commit that finds its intent moved raises ``LedgerConflict``: the saver's
+        transaction rolls back the task's writes with it.
+        """
+        statements = _ride_statements(held)
+        if statements is None:
+            return None
+        if not self.schema_checked:  # the saver's put_writes checks no version
+            with self._transaction(write=False):
+                pass
+
+        def write(cur: Any) -> None:
+            # The saver's cursor yields dicts; the ledger statement's row is read as a tuple.
+            with cur.connection.cursor(row_factory=tuple_row) as own:
+                for key, (statement, params, events) in statements:
+                    own.execute(statement, params)
+                    _written(key, own.fetchone(), events)
+
+        return write
 
     @_guarded
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
@@ -641,6 +687,16 @@ class AsyncPostgresStore:
     @_aguarded
     async def messages_write(self, rows: MessageRows) -> None:
         """Async twin of :meth:`PostgresStore.messages_write`."""
+        if (ride := pending_ride(self)) is not None:
+            if not self.schema_checked:
+                async with self._transaction(write=False):
+                    pass
+
+            async def write(cur: Any) -> None:
+                await cur.execute(_MESSAGES["write"], _message_params(rows))
+
+            ride.take(rows, awrite=write)
+            return
         async with self._transaction(begin=False) as cur:
             await cur.execute(_MESSAGES["write"], _message_params(rows))
 

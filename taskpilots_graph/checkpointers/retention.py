@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from langgraph.checkpoint.base import CheckpointTuple
 from langgraph.checkpoint.memory import InMemorySaver
 
+from taskpilots_graph._thread_index import athread_ids, thread_ids
 from taskpilots_graph.checkpointers._optional import drop_memory_checkpoints, rows_for
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
 
 if TYPE_CHECKING:
     from taskpilots_graph.checkpointers._api import RecoveryAPI
@@ -326,26 +327,21 @@ def sweep(
     """Delete whole threads (checkpoints, events, ledger, artifacts) idle for longer than
     ``older_than`` (seconds or a ``timedelta``), except those that must keep their history.
 
-    Threads are found by scanning the checkpoints (one pass over ``list(None)``). Deleting a
-    thread also forgets its ledger entries, so a business key it committed is no longer
+    Threads are listed as everywhere else (:mod:`taskpilots_graph._thread_index`). Deleting
+    a thread also forgets its ledger entries, so a business key it committed is no longer
     recognised afterwards: choose the age accordingly.
     """
     cutoff = _cutoff(older_than)
-    newest: dict[str, CheckpointTuple] = {}
-    for tup in cp.inner.list(None):
-        thread_id = str(tup.config["configurable"]["thread_id"])
-        if tup.config["configurable"].get("checkpoint_ns", "") == "" and (
-            thread_id not in newest or tup.checkpoint["id"] > newest[thread_id].checkpoint["id"]
-        ):
-            newest[thread_id] = tup
     refused: dict[str, str] = {}
     deleted: list[str] = []
-    for thread_id, tup in sorted(newest.items()):
+    for thread_id in thread_ids(cp.inner):
+        latest = cp.inner.get_tuple(_config(thread_id))
+        if latest is None:
+            continue  # deleted since it was listed
         events = cp.events(thread_id)
-        last = max([_checkpoint_time(tup), *(e.ts.timestamp() for e in events[-1:])])
+        last = max([_checkpoint_time(latest), *(e.ts.timestamp() for e in events[-1:])])
         if last >= cutoff:
             continue
-        latest = cp.inner.get_tuple(_config(thread_id))
         reason = refusal(latest, cp.ledger(thread_id), _lease_owner(leases, thread_id))
         if reason is not None:
             refused[thread_id] = reason
@@ -360,21 +356,16 @@ async def asweep(
 ) -> PruneReport:
     """Async form of :func:`sweep`."""
     cutoff = _cutoff(older_than)
-    newest: dict[str, CheckpointTuple] = {}
-    async for tup in cp.inner.alist(None):
-        thread_id = str(tup.config["configurable"]["thread_id"])
-        if tup.config["configurable"].get("checkpoint_ns", "") == "" and (
-            thread_id not in newest or tup.checkpoint["id"] > newest[thread_id].checkpoint["id"]
-        ):
-            newest[thread_id] = tup
     refused: dict[str, str] = {}
     deleted: list[str] = []
-    for thread_id, tup in sorted(newest.items()):
+    for thread_id in await athread_ids(cp.inner):
+        latest = await cp.inner.aget_tuple(_config(thread_id))
+        if latest is None:
+            continue  # deleted since it was listed
         events = await cp.aevents(thread_id)
-        last = max([_checkpoint_time(tup), *(e.ts.timestamp() for e in events[-1:])])
+        last = max([_checkpoint_time(latest), *(e.ts.timestamp() for e in events[-1:])])
         if last >= cutoff:
             continue
-        latest = await cp.inner.aget_tuple(_config(thread_id))
         owner = await _alease_owner(leases, thread_id)
         reason = refusal(latest, await cp.aledger(thread_id), owner)
         if reason is not None:

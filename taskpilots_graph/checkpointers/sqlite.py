@@ -4,6 +4,10 @@ The store borrows the saver's connection and lock instead of opening its own: SQ
 writer per file, and a second connection in the same process would only wait on the first.
 Tables are created lazily on first use, as ``SqliteSaver`` does, and migrated inside
 ``BEGIN IMMEDIATE`` so that two processes opening one file at once apply each migration once.
+
+The savers opened by ``from_conn_string`` (:class:`RidingSqliteSaver`,
+:class:`RidingAsyncSqliteSaver`) write a checkpoint's message rows in the checkpoint's own
+transaction (:class:`~taskpilots_graph.checkpointers.messages.Ride`): one commit, one fsync.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    get_checkpoint_metadata,
+)
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from taskpilots_graph.checkpointers import _schema as sql
 from taskpilots_graph.checkpointers._rows import (
@@ -36,25 +50,32 @@ from taskpilots_graph.checkpointers.artifacts import (
 from taskpilots_graph.checkpointers.base import (
     SQLITE_BUSY_TIMEOUT_S,
     DecisionRecord,
-    EventRecord,
+    HeldCommit,
     PendingRecord,
     enable_wal,
     rows_to_events,
     sqlite_error,
     sqlite_path,
 )
-from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
-from taskpilots_graph.compression import CompactionPolicy, EventCompaction
+from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows, pending_ride
+from taskpilots_graph.compaction import CompactionPolicy, EventCompaction
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
     MigrationError,
     StorageUnavailable,
 )
-from taskpilots_graph.events import Event
+from taskpilots_graph.events import Event, EventRecord
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
-__all__ = ["AsyncSqliteStore", "SqliteStore", "mapped_errors", "open_sqlite"]
+__all__ = [
+    "AsyncSqliteStore",
+    "RidingAsyncSqliteSaver",
+    "RidingSqliteSaver",
+    "SqliteStore",
+    "mapped_errors",
+    "open_sqlite",
+]
 
 _D: Final = "sqlite"
 
@@ -312,14 +333,26 @@ class SqliteStore:
     def messages_write(self, rows: MessageRows) -> None:
         """Insert a checkpoint's new messages, sequences and references in one transaction.
 
-        A transaction of its own, committed before the saver writes the checkpoint (the
-        saver commits its own): a crash in between leaves unreferenced rows, never a
-        checkpoint that refers to missing ones.
+        Inside a ride (:func:`~taskpilots_graph.checkpointers.messages.riding`) the rows are
+        handed to the saver's ``put`` and committed with the checkpoint. Otherwise in a
+        transaction of their own, committed before the saver writes the checkpoint: a crash
+        in between leaves unreferenced rows, never a checkpoint that refers to missing ones.
         """
+        if (ride := pending_ride(self)) is not None:
+            ride.take(rows, write=lambda cur: self._insert_messages(cur, rows))
+            return
         with self._cursor("messages_write", fsync=False) as cur:
             for statement, params in _message_writes(rows):
                 if params:
                     cur.executemany(statement, params)
+
+    def _insert_messages(self, cur: sqlite3.Cursor, rows: MessageRows) -> None:
+        # Runs under the saver's lock, which is this store's lock too.
+        if not self.is_setup:
+            self._migrate()
+        for statement, params in _message_writes(rows):
+            if params:
+                cur.executemany(statement, params)
 
     def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
         """The rows of positions ``0..length-1`` of sequence ``seq``, by position."""
@@ -352,6 +385,25 @@ class SqliteStore:
             if cur.execute(statement, params).rowcount != 1:
                 raise LedgerConflict(entry.key)
             return _append_all(cur, events)
+
+    def ledger_ride(self, held: Sequence[HeldCommit]) -> Callable[[sqlite3.Cursor], None]:
+        """The insert of held commits on the saver's cursor (its put_writes transaction).
+
+        A commit that finds its intent moved raises ``LedgerConflict``: the saver rolls
+        back the task's writes with it.
+        """
+
+        def write(cur: sqlite3.Cursor) -> None:
+            # Runs under the saver's lock, which is this store's lock too.
+            if not self.is_setup:
+                self._migrate()
+            for commit in held:
+                statement, params = ledger_write_sql(_D, commit.entry, commit.expect)
+                if cur.execute(statement, params).rowcount != 1:
+                    raise LedgerConflict(commit.entry.key, performed=True)
+                _append_all(cur, commit.events)
+
+        return write
 
     def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
         statement, params = ledger_list_sql(_D, thread_id)
@@ -505,10 +557,20 @@ class AsyncSqliteStore:
 
     async def messages_write(self, rows: MessageRows) -> None:
         """Async twin of :meth:`SqliteStore.messages_write`."""
+        if (ride := pending_ride(self)) is not None:
+            ride.take(rows, awrite=lambda conn: self._insert_messages(conn, rows))
+            return
         async with self._transaction("messages_write", fsync=False) as conn:
             for statement, params in _message_writes(rows):
                 if params:
                     await conn.executemany(statement, params)
+
+    async def _insert_messages(self, conn: Any, rows: MessageRows) -> None:
+        # Runs under the saver's lock, which is this store's lock too.
+        await self._ready()
+        for statement, params in _message_writes(rows):
+            if params:
+                await conn.executemany(statement, params)
 
     async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
         """Async twin of :meth:`SqliteStore.messages_read`."""
@@ -628,3 +690,97 @@ class AsyncSqliteStore:
             plan = policy.plan(rows_to_events(rows))
             await conn.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
         return len(plan)
+
+
+_PUT_CHECKPOINT: Final = (
+    "INSERT OR REPLACE INTO checkpoints (thread_id, checkpoint_ns, checkpoint_id, "
+    "parent_checkpoint_id, type, checkpoint, metadata) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+class RidingSqliteSaver(SqliteSaver):
+    """``SqliteSaver`` whose ``put`` commits the checkpoint's message rows with it, and
+    whose ``put_writes`` commits a task's held ledger commits (``RecoveryAPI.hold_commit``).
+
+    The rows come from the store through an open
+    :class:`~taskpilots_graph.checkpointers.messages.Ride`; without one it is exactly
+    ``SqliteSaver``. A failed put rolls the rows back with the checkpoint (upstream commits
+    in any case, which would leave unreferenced rows: harmless, but needless).
+    """
+
+    rides_messages: Final = True
+    rides_commits: Final = True
+    """``put_writes`` goes through :meth:`cursor` too: held ledger commits ride it."""
+
+    @contextmanager
+    def cursor(self, transaction: bool = True) -> Iterator[sqlite3.Cursor]:
+        ride = pending_ride() if transaction else None
+        if ride is None or ride.write is None:
+            with super().cursor(transaction) as cur:
+                yield cur
+            return
+        with self.lock:
+            self.setup()
+            cur = self.conn.cursor()
+            try:
+                ride.write(cur)  # before the checkpoint: the store may migrate (commits)
+                yield cur
+                self.conn.commit()
+            except BaseException:
+                self.conn.rollback()
+                raise
+            finally:
+                cur.close()
+        ride.written = True
+
+
+class RidingAsyncSqliteSaver(AsyncSqliteSaver):
+    """``AsyncSqliteSaver`` whose ``aput`` commits the checkpoint's message rows with it.
+
+    Upstream's ``aput`` has no hook between its lock and its commit, so with rows to write
+    its statement is issued here (the same insert and metadata as upstream's).
+    """
+
+    rides_messages: Final = True
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        ride = pending_ride()
+        if ride is None or ride.awrite is None:
+            return await super().aput(config, checkpoint, metadata, new_versions)
+        await self.setup()
+        conf = config["configurable"]
+        type_, serialized = self.serde.dumps_typed(checkpoint)
+        serialized_metadata = json.dumps(
+            get_checkpoint_metadata(config, metadata), ensure_ascii=False
+        ).encode("utf-8", "ignore")
+        params = (
+            str(conf["thread_id"]),
+            conf["checkpoint_ns"],
+            checkpoint["id"],
+            conf.get("checkpoint_id"),
+            type_,
+            serialized,
+            serialized_metadata,
+        )
+        async with self.lock:
+            try:
+                await ride.awrite(self.conn)
+                await self.conn.execute(_PUT_CHECKPOINT, params)
+                await self.conn.commit()
+            except BaseException:
+                await self.conn.rollback()
+                raise
+        ride.written = True
+        return {
+            "configurable": {
+                "thread_id": conf["thread_id"],
+                "checkpoint_ns": conf["checkpoint_ns"],
+                "checkpoint_id": checkpoint["id"],
+            }
+        }

@@ -26,7 +26,7 @@ from taskpilots_graph.cli._threads import register as _register_threads
 from taskpilots_graph.cli._web import register as _register_web
 from taskpilots_graph.cli._workers import register as _register_workers
 
-__all__ = ["app", "main", "run", "run_command"]
+__all__ = ["app", "main", "run_cli", "run_command"]
 
 app = typer.Typer(
     name="taskpilots",
@@ -81,7 +81,7 @@ def _status(call: typer.Typer, argv: Sequence[str], prog_name: str) -> int:
     return 0
 
 
-def run(argv: Sequence[str], *, prog_name: str = "taskpilots") -> int:
+def run_cli(argv: Sequence[str], *, prog_name: str = "taskpilots") -> int:
     """Run the ``taskpilots`` command with ``argv`` and return its exit status.
 
     Every entry point goes through this one app (``taskpilots``, ``python -m
@@ -89,7 +89,7 @@ def run(argv: Sequence[str], *, prog_name: str = "taskpilots") -> int:
     options, help and exit statuses.
 
     Example:
-        >>> run(["--version"])  # doctest: +SKIP
+        >>> run_cli(["--version"])  # doctest: +SKIP
         taskpilots-graph 0.1.0.dev0
         0
     """

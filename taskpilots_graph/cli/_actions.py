@@ -67,8 +67,7 @@ def graph_on(spec: str, db: str | None) -> Iterator[tuple[Any, Any]]:
         ConfigurationError: A bad spec, or ``--db`` with a graph that has its own store.
         StorageError: A missing SQLite file or an unreachable database.
     """
-    from taskpilots_graph.config import Settings, open_graph
-    from taskpilots_graph.drills import load_graph
+    from taskpilots_graph.config import StorageSettings, load_graph, open_graph
     from taskpilots_graph.errors import ConfigurationError
 
     importable_cwd()
@@ -83,7 +82,7 @@ def graph_on(spec: str, db: str | None) -> Iterator[tuple[Any, Any]]:
         yield graph, graph.checkpointer
         return
     conn = checked_db(db)
-    with open_graph(spec, Settings.resolve(db=conn)) as graph:
+    with open_graph(spec, StorageSettings.resolve(db=conn)) as graph:
         if graph.checkpointer is None or isinstance(graph.checkpointer, bool):
             raise ConfigurationError(f"the graph from {spec} has no checkpointer")
         yield graph, graph.checkpointer
@@ -99,8 +98,8 @@ def _last_text(result: Any) -> str | None:
 
 def _run(graph: Any, cp: Any, thread: str, call: Callable[[], Any], as_json: bool) -> None:
     """Run ``call`` and report where the thread stands afterwards."""
+    from taskpilots_graph.decisions import pending_takeovers
     from taskpilots_graph.errors import ToolWaiting
-    from taskpilots_graph.runner import pending_takeovers
     from taskpilots_graph.threads import thread_info
 
     retry_at: float | None = None
@@ -200,7 +199,7 @@ def decide(
     """Answer a thread's takeover and continue it."""
     from functools import partial
 
-    from taskpilots_graph import runner
+    from taskpilots_graph.decisions import decide
     from taskpilots_graph.errors import StaleDecision
     from taskpilots_graph.takeover import parse_decision
 
@@ -218,7 +217,7 @@ def decide(
                 fields[name] = value
         decision = parse_decision(fields)  # InvalidDecision before anything is opened
         with graph_on(graph, db) as (compiled, cp):
-            answer = partial(runner.decide, compiled, thread, decision)
+            answer = partial(decide, compiled, thread, decision)
             try:
                 _run(compiled, cp, thread, answer, as_json)
             except StaleDecision as stale:

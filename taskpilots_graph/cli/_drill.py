@@ -68,7 +68,8 @@ def drill(
     that its real side effects are meant. Exits 1 if any drill failed (for example, a
     repeated side effect).
     """
-    from taskpilots_graph.drills import is_drill_graph, load_graph, run_drills
+    from taskpilots_graph.config import load_graph
+    from taskpilots_graph.drills import is_drill_graph, run_drills
 
     with guarded():
         run_input = parse_json_option("--input", input_json)
@@ -108,7 +109,7 @@ def drill(
 def _print(report: Any) -> None:
     from rich.table import Table
 
-    from taskpilots_graph.cli._threads import _print_metrics
+    from taskpilots_graph.cli._threads import print_metrics
 
     out = stdout()
     kind = "real services" if report.real_effects else "test doubles"
@@ -133,7 +134,7 @@ def _print(report: Any) -> None:
     for r in report.results:
         if r.detail:
             out.print(f"  {r.name.replace('_', ' ')}: {r.detail}", markup=False, soft_wrap=False)
-    _print_metrics(report.metrics)
+    print_metrics(report.metrics)
     verdict = "[green]all drills passed[/green]" if report.passed else "[red]drills failed[/red]"
     out.print(f"{verdict}; duplicate side effects: {report.duplicates}")
 

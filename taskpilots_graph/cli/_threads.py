@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
 
-__all__ = ["parse_since", "register"]
+__all__ = ["parse_since", "print_metrics", "register"]
 
 STATUSES = ("running", "waiting_tool", "awaiting_human", "closed", "failed")
 THREAD_COLUMNS = ["thread_id", "status", "step", "last_event", "events", "effects", "unsettled"]
@@ -202,7 +202,7 @@ def show(
     stopped marked; then the ledger and any takeover waiting on a person. ``--json`` has
     everything, uncut (the thread, its events, ledger, takeover and replay steps).
     """
-    from taskpilots_graph.runner import pending_takeovers
+    from taskpilots_graph.decisions import pending_takeovers
 
     with guarded():
         from taskpilots_graph.replay import replay as replay_thread
@@ -326,7 +326,7 @@ def metrics(
         if as_json:
             emit_json(data)
             return
-        _print_metrics(data)
+        print_metrics(data)
 
 
 def _fmt(value: Any, unit: str = "") -> str:
@@ -342,7 +342,7 @@ def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _print_metrics(data: dict[str, Any]) -> None:
+def print_metrics(data: dict[str, Any]) -> None:
     """The four recovery metrics first, then runs, per-tool statistics and totals.
 
     Each metric is a line with its value, then an indented line saying what it is made

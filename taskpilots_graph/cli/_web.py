@@ -64,7 +64,7 @@ def map_command(
 ) -> None:
     """Print the recovery map of a graph: per tool, what each kind of failure leads to."""
     from taskpilots_graph.checkpointers import RecoveryCheckpointer
-    from taskpilots_graph.drills import load_graph
+    from taskpilots_graph.config import load_graph
     from taskpilots_graph.recovery_map import recovery_map
 
     with guarded():

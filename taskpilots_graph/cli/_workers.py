@@ -90,7 +90,8 @@ def supervise(
 
     Exits 2 on a configuration mistake (a bad --graph or URL), 1 on any other error.
     """
-    from taskpilots_graph.supervisor import ScanReport, serve_supervisor
+    from taskpilots_graph.health import ScanReport
+    from taskpilots_graph.supervisor import serve_supervisor
 
     console = stdout()
 

@@ -53,11 +53,11 @@ from taskpilots_graph.coordinator._plan import (
 )
 from taskpilots_graph.coordinator._rerun import notice_id, rerun_input, rerun_notice
 from taskpilots_graph.coordinator._waits import STUCK_PREFIX, wait_edges
+from taskpilots_graph.engine._locks import lock_target
 from taskpilots_graph.errors import PendingTakeover, ThreadBusy, ThreadNotFound, ToolWaiting
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.leases import Lease, LeaseBackend, new_owner, thread_lease_name
 from taskpilots_graph.ledger import LedgerStatus
-from taskpilots_graph.locks.base import Lease, LeaseBackend, new_owner, thread_lease_name
-from taskpilots_graph.nodes._locks import lock_target
 from taskpilots_graph.nodes.compensate import compensate_effect
 from taskpilots_graph.threads import thread_info
 from taskpilots_graph.tools import spec_of

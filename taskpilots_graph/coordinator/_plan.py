@@ -16,12 +16,12 @@ from taskpilots_graph.errors import ConfigurationError
 __all__ = [
     "CoordinationPlan",
     "FailureAttribution",
-    "RecoveryDecision",
     "Share",
     "SharePolicy",
     "SharedEffect",
     "SubAgentState",
     "SubTask",
+    "SubTaskRecovery",
     "attempt_thread_id",
     "find_cycle",
     "plan_recovery",
@@ -347,7 +347,7 @@ class SharedEffect:
 
 
 @dataclass(frozen=True, slots=True)
-class RecoveryDecision:
+class SubTaskRecovery:
     """What to do about one failed sub-task.
 
     Attributes:
@@ -378,7 +378,7 @@ def plan_recovery(
     max_attempts: int,
     sharers: Mapping[str, Sequence[Effect]] | None = None,
     undoable: Iterable[str] | None = None,
-) -> RecoveryDecision:
+) -> SubTaskRecovery:
     """Decide how to recover sub-task ``failed``: only what failed runs again.
 
     Args:
@@ -401,7 +401,7 @@ def plan_recovery(
     once), then the failed sub-task, those sharers and its dependents that ran run again.
     """
     if attempts >= max_attempts:
-        return RecoveryDecision(give_up=True)
+        return SubTaskRecovery(give_up=True)
     ran = set(started) - {failed}
     can_undo = None if undoable is None else set(undoable)
     shared_objs = plan.shared_objects(besides=failed)
@@ -433,7 +433,7 @@ def plan_recovery(
         else set()
     )
     again = tuple(n for n in plan.tasks if n in readers and n in ran)
-    return RecoveryDecision(
+    return SubTaskRecovery(
         compensate=tuple(e.key for e in undo),
         rerun=(failed, *again),
         shared=tuple(undo),

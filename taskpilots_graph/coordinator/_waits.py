@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Final
 
 from taskpilots_graph.errors import ConfigurationError, MutualWait
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
     LeaseBackend,
     business_lock_name,
     busy_error,

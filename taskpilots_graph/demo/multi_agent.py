@@ -36,11 +36,11 @@ from langchain_core.tools import BaseTool, StructuredTool
 from langgraph.graph.state import CompiledStateGraph
 
 from taskpilots_graph.agent import create_recovery_agent
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.coordinator import Coordinator, create_coordinator
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome
-from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.testing import ScriptedModel
 from taskpilots_graph.tools import current_invocation, side_effect
 

@@ -13,7 +13,7 @@ from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
 from taskpilots_graph.agent import create_recovery_agent
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.density import Density
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.errors import ConfigurationError

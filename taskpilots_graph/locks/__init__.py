@@ -17,7 +17,7 @@ methods (:class:`LeaseBackend`); :func:`hold` / :func:`ahold` and :func:`busines
 With no backend named, the recovery agent, ``RecoveryMiddleware`` and the runners use the
 one in the checkpointer's own database (:mod:`taskpilots_graph.locks.default`); Redis is the
 explicit scale-out choice. A holder whose process is gone on this very machine (SIGKILL)
-is taken over at once instead of after its TTL (:func:`~taskpilots_graph.locks.base.holder_died`).
+is taken over at once instead of after its TTL (:func:`~taskpilots_graph.leases.holder_died`).
 
 The Redis and PostgreSQL backends import their client library on first access, so neither is
 required unless used.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from taskpilots_graph.checkpointers.base import parse_conn_string, sqlite_path
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
     BUSINESS_LOCK_PREFIX,
     THREAD_LEASE_PREFIX,
     Lease,

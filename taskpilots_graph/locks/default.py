@@ -29,7 +29,7 @@ from typing import Any, Final
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
 from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore, SqliteStore
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.locks.memory import MemoryLeaseBackend
 from taskpilots_graph.locks.sqlite import SqliteLeaseBackend
 

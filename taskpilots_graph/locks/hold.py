@@ -38,7 +38,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Final
 
 from taskpilots_graph.errors import ConfigurationError, LeaseLost, LockBackendUnavailable
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
+    THREAD_HOLD,
     HoldStatus,
     Lease,
     LeaseBackend,
@@ -459,10 +460,6 @@ def abusiness_lock(
 
 # --- the thread lease of the current run ------------------------------------------------------
 
-_THREAD_HOLD: contextvars.ContextVar[Hold | AsyncHold | None] = contextvars.ContextVar(
-    "taskpilots_thread_hold", default=None
-)
-
 
 def current_thread_hold() -> Hold | AsyncHold | None:
     """The thread lease the runner (``tp.run``, ``tp.resume``, ...) holds for this run, if any.
@@ -470,14 +467,14 @@ def current_thread_hold() -> Hold | AsyncHold | None:
     The executor calls its ``check()`` before every side effect, so a run whose lease was
     lost stops with :class:`~taskpilots_graph.errors.LeaseLost` before its next effect.
     """
-    return _THREAD_HOLD.get()
+    return THREAD_HOLD.get()  # type: ignore[no-any-return]
 
 
 def set_thread_hold(held: Hold | AsyncHold | None) -> contextvars.Token[Hold | AsyncHold | None]:
     """Make ``held`` the current run's thread lease (runner use); reset with the token."""
-    return _THREAD_HOLD.set(held)
+    return THREAD_HOLD.set(held)
 
 
 def reset_thread_hold(token: contextvars.Token[Hold | AsyncHold | None]) -> None:
     """Restore the thread lease that was current before :func:`set_thread_hold`."""
-    _THREAD_HOLD.reset(token)
+    THREAD_HOLD.reset(token)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from taskpilots_graph import _clock
 from taskpilots_graph.errors import LeaseLost
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
     Lease,
     LeaseBackendBase,
     check_lease_args,

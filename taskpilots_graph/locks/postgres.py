@@ -33,7 +33,7 @@ from taskpilots_graph.checkpointers._pg_connect import CONNECTION_KWARGS
 from taskpilots_graph.checkpointers.postgres import AsyncPostgresStore, PostgresStore
 from taskpilots_graph.errors import ConfigurationError, LeaseLost, StorageError
 from taskpilots_graph.errors import LockBackendUnavailable as Unavailable
-from taskpilots_graph.locks.base import Lease, LeaseBackendBase, check_lease_args
+from taskpilots_graph.leases import Lease, LeaseBackendBase, check_lease_args
 
 __all__ = ["ACQUIRE_SQL", "HOLDER_SQL", "RELEASE_SQL", "RENEW_SQL", "PostgresLeaseBackend"]
 

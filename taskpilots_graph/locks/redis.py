@@ -34,7 +34,7 @@ from redis.retry import Retry
 
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError, LeaseLost
 from taskpilots_graph.errors import LockBackendUnavailable as Unavailable
-from taskpilots_graph.locks.base import Lease, LeaseBackendBase, check_lease_args
+from taskpilots_graph.leases import Lease, LeaseBackendBase, check_lease_args
 
 __all__ = ["ACQUIRE_LUA", "HOLDER_LUA", "RELEASE_LUA", "RENEW_LUA", "RedisLeaseBackend"]
 

@@ -4,7 +4,7 @@ The same table as on PostgreSQL (``taskpilots_leases``) plus a one-row fencing c
 usually in the checkpointer's own file. Every call runs in a ``BEGIN IMMEDIATE``
 transaction: SQLite admits one writer per file, so the read of the row and the write that
 follows can never interleave with another process's. The decision in between is the shared
-pure core (:func:`~taskpilots_graph.locks.base.grant` and friends).
+pure core (:func:`~taskpilots_graph.leases.grant` and friends).
 
 Connections are kept between calls (a few idle ones per backend, taken by one call at a
 time): opening one and reading the schema cost more than the transaction itself. Nothing
@@ -18,7 +18,7 @@ methods run the sync ones in a worker thread: SQLite calls block.
 
 All holders share one machine, so a lease whose holder process is gone (killed with SIGKILL:
 nothing released it) is known to be dead before its TTL runs out
-(:func:`~taskpilots_graph.locks.base.holder_died`). Such a lease counts as expired here, in
+(:func:`~taskpilots_graph.leases.holder_died`). Such a lease counts as expired here, in
 ``holder()`` too, so a thread whose worker was killed can be resumed at once instead of after
 the TTL. A live process (or a process id reused by one) keeps its lease: the check can only
 err toward waiting.
@@ -38,7 +38,7 @@ from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers.sqlite import SqliteStore
 from taskpilots_graph.errors import ConfigurationError, LeaseLost
 from taskpilots_graph.errors import LockBackendUnavailable as Unavailable
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
     Lease,
     LeaseBackendBase,
     check_lease_args,

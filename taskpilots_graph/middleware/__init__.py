@@ -33,10 +33,15 @@ What every tool call gets (through ``wrap_tool_call`` / ``awrap_tool_call``):
   :class:`~taskpilots_graph.TakeoverRequest`; answer it with ``tp.decide(agent, thread_id,
   tp.Decision(...))`` (retry, skip, provide_result, abandon) or
   ``Command(resume=...)`` (also edit_args);
-* **events** in ``cp.events(thread_id)``: ``llm_decided``, ``tool_invoked``,
-  ``tool_succeeded``/``tool_failed``, ``effect_reconciled``/``effect_uncertain``,
-  ``retry_scheduled``, ``degraded``, ``takeover_requested``, ``decision_recorded``,
-  ``compensated``;
+* **events** in ``cp.events(thread_id)``, as the recovery agent logs them:
+  ``agent_started``, ``llm_decided``, ``tool_invoked``, ``tool_succeeded``/``tool_failed``,
+  ``effect_reconciled``/``effect_uncertain``, ``retry_scheduled``, ``degraded``,
+  ``takeover_requested``, ``decision_recorded``, ``compensated``, ``resume_context``,
+  ``agent_finished`` (``closed`` when the agent ends, ``failed`` before a fatal tool error
+  leaves ``invoke``), so ``tp.thread_info`` and ``taskpilots show`` tell where it stands;
+* the **resume prompt**: after ``tp.decide`` or ``tp.resume``, the first model call gets
+  the recovery agent's resume prompt (:mod:`taskpilots_graph.prompts.resume`) after the
+  conversation (only the model sees it; a replayed decision leaves it for the next call);
 * a **recorded model decision** when the run is not ``durability="sync"``: the model's
   message with side-effecting calls is recorded before the first of them runs, and
   ``wrap_model_call`` replays it if a crash lost the checkpoint holding it (otherwise the
@@ -71,9 +76,6 @@ second runner of the thread gets :class:`~taskpilots_graph.ThreadBusy` while a s
 under their business lock (fail closed), and an ``intended`` entry whose writer still holds
 its thread lease is waited for, never reconciled (:class:`~taskpilots_graph.EffectInProgress`
 when the wait runs out).
-
-Not (yet) carried over from the recovery agent: stuck detection across tool calls, and the
-resume prompt of the think node.
 """
 
 from __future__ import annotations

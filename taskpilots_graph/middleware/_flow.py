@@ -1,10 +1,10 @@
 """What :class:`RecoveryMiddleware` does with one tool call, as an I/O-free generator.
 
-The flow wraps the ledger protocol of :mod:`taskpilots_graph.nodes._protocol` (which it
+The flow wraps the ledger protocol of :mod:`taskpilots_graph.engine._protocol` (which it
 drives unchanged) with the recovery decisions of :func:`~taskpilots_graph.decide_recovery`
-and the takeover of a person. It yields requests; the sync and async drivers in
-:mod:`taskpilots_graph.middleware._middleware` carry them out, so both share one copy of the
-rules.
+and the takeover of a person. It yields requests; the engine's drivers carry them out, with
+the middleware's own requests (:mod:`._requests`) handed to
+:mod:`taskpilots_graph.middleware._middleware`.
 
 A takeover calls LangGraph's ``interrupt()`` inside the tool node. On resume the node runs
 again from its first line, so the flow runs again from its start: ledger facts keep that
@@ -15,7 +15,7 @@ the task, so it is never applied twice.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -26,41 +26,37 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from taskpilots_graph import _clock
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
-from taskpilots_graph.errors import ConfigurationError, ToolWaiting
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.engine import CallContext, CallOutcome, call_context, run_call
+from taskpilots_graph.engine._protocol import FindPrevious, ReadEntry, WriteEntry, WriteEvent
+from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
+from taskpilots_graph.engine._run import run_finished
+from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
+from taskpilots_graph.errors import ConfigurationError, ResultDrifted, ToolWaiting
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 from taskpilots_graph.failures import Failure, classify, failure_payload
-from taskpilots_graph.ledger import LedgerEntry, SideEffectUncertain, default_key
+from taskpilots_graph.ledger import LedgerEntry, SideEffectUncertain
 from taskpilots_graph.middleware._requests import (
     Ask,
-    CallTool,
-    CheckEffect,
     Compensate,
+    EndRun,
     ErrorAnswer,
     Flush,
+    PassThrough,
+    ReadAsked,
     ReadLedger,
     RecordDecision,
     Settings,
     Sleep,
+    UseTool,
 )
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest
-from taskpilots_graph.nodes._protocol import (
-    CallContext,
-    CallOutcome,
-    CheckArgs,
-    RunPrecheck,
-    RunTool,
-    WriteEntry,
-    WriteEvent,
-    run_call,
-)
 from taskpilots_graph.nodes.executor import error_message, tool_content
 from taskpilots_graph.nodes.router import describe
-from taskpilots_graph.nodes.takeover import _ledger_move, _user, build_request
+from taskpilots_graph.nodes.takeover import build_request
 from taskpilots_graph.policy import ToolPolicy
-from taskpilots_graph.recovery import Action, decide_recovery
+from taskpilots_graph.recovery import Action
 from taskpilots_graph.takeover import parse_decision
-from taskpilots_graph.tools import check_args, spec_of
+from taskpilots_graph.tools import spec_of
 
 __all__ = ["DECISIONS", "Answer", "Flow", "tool_flow"]
 
@@ -68,7 +64,9 @@ DECISIONS = "middleware_decisions"
 """Key in ``LedgerEntry.extra``: ``{task namespace: decisions applied}`` (see the module)."""
 
 FAILURE_MARK = "taskpilots_failure"
-"""Key in an error answer's ``artifact``: the failure's signature (tool, kind, error type)."""
+"""Key in an answer's ``artifact``: the signature (tool, kind, error type) of its failure."""
+DECIDED_MARK = "taskpilots_decided"
+"""Key in an answer's ``artifact``: a person decided about the call."""
 
 SKIPPED = "Skipped by a person; do not call it again."
 ABANDONED = (
@@ -85,51 +83,6 @@ def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
     return prepare_event(
         ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
     )
-
-
-def _ledgered(
-    ctx: CallContext, request: ToolCallRequest, box: list[Answer]
-) -> Generator[Any, Any, CallOutcome]:
-    """The ledger protocol with ``RunTool`` turned into :class:`CallTool`.
-
-    The tool node's answer is kept in ``box`` (returned to the model on a fresh success)
-    while the protocol records the answer's content. ``CheckArgs`` is answered here (no
-    I/O): the arguments are checked against the schema of the tool the node would run.
-    """
-    gen = run_call(ctx)
-    value: Any = None
-    thrown: BaseException | None = None
-    while True:
-        try:
-            req = gen.throw(thrown) if thrown is not None else gen.send(value)
-        except StopIteration as stop:
-            outcome: CallOutcome = stop.value
-            return outcome
-        value, thrown = None, None
-        if isinstance(req, CheckArgs):
-            try:
-                if request.tool is not None:
-                    check_args(request.tool, req.args)
-            except Exception as exc:
-                thrown = exc
-            continue
-        if isinstance(req, RunTool):
-            try:
-                answer = yield CallTool(request, req.invocation)
-            except ErrorAnswer as exc:
-                # The arguments passed CheckArgs: the node's error answer comes from the body.
-                thrown = ErrorAnswer(exc.answer, maybe_sent=True) if ctx.spec is not None else exc
-                continue
-            except Exception as exc:  # GraphBubbleUp included: the protocol lets it through
-                thrown = exc
-                continue
-            box[:] = [answer]
-            value = answer.content if isinstance(answer, ToolMessage) else answer
-            continue
-        try:
-            value = yield (CheckEffect(ctx, req) if isinstance(req, RunPrecheck) else req)
-        except Exception as exc:
-            thrown = exc
 
 
 def _answer(call_id: str, name: str, result: Any) -> ToolMessage:
@@ -160,6 +113,20 @@ class _Call:
     tried: list[str] = field(default_factory=list)
     asked: int = 0  # interrupts met in this execution of the task, for ``DECISIONS``
     answered: bool = False  # the task runs again with a person's answer waiting
+    failed: str | None = None  # the signature of the call's latest failure (stuck counting)
+    decided: bool = False  # a person decided about the call
+
+    def marked(self, answer: Answer) -> Answer:
+        """``answer``, carrying what stuck detection counts in later calls, as the recovery
+        agent counts it: the call's failure signature if it failed on its way (since a
+        person's decision), and that a person decided (the count starts again). An answer
+        with an artifact of its own keeps it."""
+        marks: dict[str, Any] = {DECIDED_MARK: True} if self.decided else {}
+        if self.failed is not None:
+            marks[FAILURE_MARK] = self.failed
+        if not marks or not isinstance(answer, ToolMessage) or answer.artifact:
+            return answer
+        return answer.model_copy(update={"artifact": marks})
 
     @property
     def call_id(self) -> str:
@@ -173,30 +140,14 @@ class _Call:
         """The call as the ledger protocol sees it, with the same user rules and drift
         settings the recovery agent's executor gives it."""
         tool = self.tools.get(self.using)
-        spec = spec_of(tool) if tool is not None else None
-        key = (
-            spec.key(dict(self.args))
-            if spec is not None and spec.key is not None
-            else default_key(
-                thread_id=self.ctx.thread_id,
-                checkpoint_ns=self.ctx.graph_ns,
-                tool_call_id=self.call_id,
-                tool=self.using,
-                args=self.args,
-            )
-        )
-        return CallContext(
+        return call_context(
             thread_id=self.ctx.thread_id,
             checkpoint_ns=self.ctx.graph_ns,
             tool=self.using,
-            args=dict(self.args),
+            args=self.args,
             tool_call_id=self.call_id,
-            spec=spec,
-            key=key,
-            rules=tuple(policy.rules),
-            confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
-            drift_comparator=(spec.drift_comparator if spec is not None else None)
-            or policy.drift_comparator,
+            spec=spec_of(tool) if tool is not None else None,
+            policy=policy,
             attempt=self.attempts + 1,
         )
 
@@ -216,7 +167,8 @@ def tool_flow(
     ctx: RunContext,
     *,
     task_ns: str,
-    answered: bool,
+    answers: int = 0,
+    resumed: bool = False,
 ) -> Flow:
     """The flow of one tool call; returns the answer for the model.
 
@@ -225,8 +177,11 @@ def tool_flow(
         request: The tool call as the tool node built it.
         ctx: Thread, namespace and durability of the run.
         task_ns: The tool task's own checkpoint namespace (unique per task).
-        answered: A person's answer waits for this task (a resumed takeover): in-process
-            backoff is skipped on the way back to it.
+        answers: How many of the task's questions to a person are answered (the task runs
+            again after a takeover): they are applied first, without calling the tool on
+            the way back to them, as the recovery agent applies a decision.
+        resumed: The run continues a stopped one (``tp.resume``): the call may have run
+            before, so its result is compared with the earlier one.
     """
     tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
     if request.tool is not None:
@@ -238,28 +193,51 @@ def tool_flow(
         tools=tools,
         using=request.tool_call["name"],
         args=dict(request.tool_call["args"]),
-        answered=answered,
     )
     if state.using not in tools:
         # Not ours to handle: the tool node answers an unknown tool with an error message.
-        answer: Answer = yield CallTool(request, None)
+        answer: Answer = yield PassThrough(request)
         return answer
+    if answers:
+        asked: list[dict[str, Any]] = yield ReadAsked(ctx.thread_id, state.call_id, task_ns)
+        for earlier in asked[:answers]:
+            state.using, state.args = earlier["using"], dict(earlier["args"])
+            state.attempts, state.tried = int(earlier["attempts"]), list(earlier["tried"])
+            call_ctx = state.context(settings.policy(state.using))
+            settled = yield from _decide(state, call_ctx, earlier, Ask({}, None))
+            if settled is not None:
+                return settled
+        # More answers than questions on record (they were lost): the slow way back.
+        state.answered = answers > len(asked)
     recorded = False
     while True:
         call_ctx = state.context(settings.policy(state.using))
+        if (state.attempts or resumed) and not state.answered:
+            # The call may have run before (a retry, a resumed run): its result is compared
+            # with the earlier one, as the recovery agent's executor does (drift). Not on
+            # the way back to a person's answer: the earlier result is then this task's own.
+            found = yield FindPrevious(ctx.thread_id, call_ctx.key, call_ctx.tool_call_id)
+            call_ctx = replace(call_ctx, previous=found)
         if call_ctx.spec is not None and ctx.durability != "sync" and not recorded:
             recorded = True
             yield from _record_decision(state)
-        box: list[Answer] = []
+        # The protocol's RunTool runs this request through the rest of the chain; the tool
+        # node's answer lands in ``box`` (returned to the model on a fresh success).
+        box: list[Answer] = yield UseTool(state.tool_request())
         try:
-            outcome = yield from _ledgered(call_ctx, state.tool_request(), box)
+            outcome = yield from run_call(call_ctx)
         except SideEffectUncertain as exc:
             outcome = CallOutcome(error=exc, failure=classify(exc))
+        if outcome.refused:
+            # The agent's graph has no step that waits for a lock: the call stops with the
+            # lock's error (ThreadBusy, LockBackendUnavailable), nothing written or run.
+            assert outcome.error is not None
+            raise outcome.error
         state.attempts += 1
         if outcome.failure is None:
             if box and not outcome.replayed:
-                return box[0]
-            return _answer(state.call_id, state.name, outcome.result)
+                return state.marked(box[0])
+            return state.marked(_answer(state.call_id, state.name, outcome.result))
         settled = yield from _recover(settings, state, call_ctx, outcome)
         if settled is not None:
             return settled
@@ -290,19 +268,18 @@ def _recover(
     now = _clock.now()
     if state.first_failed_at is None:
         state.first_failed_at = now
-    policy = settings.policy(state.using)
-    chain = settings.policy(state.name).fallback
-    tried = [*state.tried, state.using]
-    next_fallback = next((t for t in chain if t not in tried), None)
-    signature = f"{state.using}|{failure.kind}|{failure.error_type}"
-    decision = decide_recovery(
+    signature = failure_signature(state.using, failure.kind, failure.error_type)
+    state.failed = signature
+    decision, tried = decide_next(
+        settings.policy,
+        tool=state.name,
+        using=state.using,
+        tried=state.tried,
         kind=failure.kind,
-        policy=policy,
         attempts=state.attempts,
         first_failed_at=state.first_failed_at,
         now=now,
         retry_after=failure.retry_after,
-        next_fallback=next_fallback,
         signature_count=_signature_count(state, signature),
         rng=settings.rng,
     )
@@ -314,13 +291,17 @@ def _recover(
         "failure_kind": failure.kind.value,
     }
     action = decision.action
-    if decision.stuck:
-        yield WriteEvent(_event(state.ctx, EventKind.STUCK_DETECTED, **base))
+    if action is Action.DEGRADE and decision.fallback not in state.tools:
+        raise ConfigurationError(
+            f"policies[{state.name!r}]: fallback {decision.fallback!r} is not one of the "
+            "agent's tools; pass it in create_agent(tools=[...]) too"
+        )
+    for event in transition_events(state.ctx.thread_id, state.ctx.graph_ns, decision, **base):
+        yield WriteEvent(event)
     if action is Action.RETRY:
         assert decision.retry_at is not None
-        retry = _event(state.ctx, EventKind.RETRY_SCHEDULED, retry_at=decision.retry_at, **base)
-        yield WriteEvent(retry)
         delay = max(0.0, decision.retry_at - now)
+        policy = settings.policy(state.using)
         if delay > policy.max_in_process_wait:
             yield Flush()
             raise ToolWaiting(state.ctx.thread_id, decision.retry_at) from outcome.error
@@ -329,12 +310,6 @@ def _recover(
         return None
     if action is Action.DEGRADE:
         assert decision.fallback is not None
-        if decision.fallback not in state.tools:
-            raise ConfigurationError(
-                f"policies[{state.name!r}]: fallback {decision.fallback!r} is not one of the "
-                "agent's tools; pass it in create_agent(tools=[...]) too"
-            )
-        yield WriteEvent(_event(state.ctx, EventKind.DEGRADED, fallback=decision.fallback, **base))
         state.tried, state.using = tried, decision.fallback
         state.attempts, state.first_failed_at = 0, None
         return None
@@ -346,41 +321,51 @@ def _recover(
             answer = error_message(state.request.tool_call, text)
         # The mark lets a later call of the same tool count this failure (stuck detection)
         # from the conversation itself; the model does not see artifacts.
-        return answer.model_copy(update={"artifact": {FAILURE_MARK: signature}})
+        return state.marked(answer.model_copy(update={"artifact": None}))
     if action in (Action.FAIL, Action.COMPENSATE):
         if action is Action.COMPENSATE:
             yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
+        # The run ends here (the error leaves invoke): logged as the recovery agent's fail
+        # node logs it, so the thread shows as failed.
+        reason = f"{state.using}: {decision.reason}"
+        yield EndRun(run_finished(state.ctx.thread_id, state.ctx.graph_ns, "failed", reason=reason))
         yield Flush()
         raise outcome.error
-    return (yield from _takeover(state, call_ctx, failure, decision.reason, base))
+    return (yield from _takeover(state, call_ctx, outcome.error, failure, decision.reason, base))
 
 
 def _signature_count(state: _Call, signature: str) -> int:
-    """How many tool calls of the conversation failed this way, this one included.
-
-    The recovery agent counts signatures in its flow state; here the error answers of
-    earlier calls carry them (``FAILURE_MARK``). Retries of one call count once.
-    """
-    messages = (state.request.state or {}).get("messages") or []
-    earlier = {
-        m.tool_call_id
-        for m in messages
-        if isinstance(m, ToolMessage)
-        and isinstance(m.artifact, dict)
-        and m.artifact.get(FAILURE_MARK) == signature
-        and m.tool_call_id != state.call_id
-    }
+    """How many tool calls of the conversation failed this way since a person's last
+    decision, this one included. The recovery agent counts signatures in its flow state;
+    here the answers of earlier calls carry them (``FAILURE_MARK``, ``DECIDED_MARK``).
+    Retries of one call count once."""
+    if state.decided:
+        return 1  # a person's decision about this call starts the count again
+    earlier: set[str] = set()
+    for m in (state.request.state or {}).get("messages") or []:
+        marks = m.artifact if isinstance(m, ToolMessage) else None
+        if not isinstance(marks, dict) or m.tool_call_id == state.call_id:
+            continue
+        if marks.get(DECIDED_MARK):
+            earlier.clear()  # as the recovery agent's decisions reset its counts
+        if marks.get(FAILURE_MARK) == signature:
+            earlier.add(m.tool_call_id)
     return len(earlier) + 1
 
 
 def _takeover(
     state: _Call,
     call_ctx: CallContext,
+    error: BaseException,
     failure: Failure,
     reason: str,
     base: dict[str, Any],
 ) -> Generator[Any, Any, Answer | None]:
     key = call_ctx.key if call_ctx.spec is not None else None
+    shown = failure_payload(failure)
+    if isinstance(error, ResultDrifted):
+        # As the recovery agent shows it: both values, and the new result ``accept`` keeps.
+        shown["drift"] = {**error.drift, "current": error.result}
     ledger: list[LedgerEntry] = yield ReadLedger(state.ctx.thread_id, key)
     record = {
         "tool_call_id": state.call_id,
@@ -390,7 +375,7 @@ def _takeover(
         "attempts": state.attempts,
         "key": key,
         "status": "awaiting_human",
-        "failure": failure_payload(failure),
+        "failure": shown,
     }
     view = {
         "messages": list((state.request.state or {}).get("messages") or []),
@@ -402,25 +387,42 @@ def _takeover(
         # The conversation no longer ends on the calling message (another middleware
         # rewrote it): name the step anyway, the person must see what waits.
         payload["pending"] = [{k: record[k] for k in ("tool_call_id", "tool", "args", "key")}]
-    event = _event(state.ctx, EventKind.TAKEOVER_REQUESTED, key=key, args=dict(state.args), **base)
+    # What applying the answer needs when the task runs again (see tool_flow).
+    again = {"task": state.task_ns, "ordinal": state.asked, "attempts": state.attempts}
+    again["tried"] = list(state.tried)
+    if isinstance(error, ResultDrifted):
+        again["current"] = error.result
+    event = _event(
+        state.ctx, EventKind.TAKEOVER_REQUESTED, key=key, args=dict(state.args), **base, **again
+    )
+    return (yield from _decide(state, call_ctx, again, Ask(payload, event)))
+
+
+def _decide(
+    state: _Call, call_ctx: CallContext, asked: Mapping[str, Any], ask: Ask
+) -> Generator[Any, Any, Answer | None]:
+    """Ask (or, on the task's way back, take the answer given) and apply the decision."""
+    key = call_ctx.key if call_ctx.spec is not None else None
     ordinal = state.asked
     state.asked += 1
-    decision = parse_decision((yield Ask(payload, event)))
-    entry = next((e for e in ledger if e.key == key), None) if key else None
-    applied = (
+    decision = parse_decision((yield ask))
+    entry: LedgerEntry | None = (yield ReadEntry(key)) if key else None
+    applied = bool(asked.get("decided")) or (
         entry is not None
         and int(dict(entry.extra.get(DECISIONS) or {}).get(state.task_ns, 0)) > ordinal
     )
     if not applied:
-        who = decision.decided_by or _user()
-        recorded = _event(
-            state.ctx,
-            EventKind.DECISION_RECORDED,
-            decision=decision.model_dump(mode="json", exclude_none=True),
-            decided_by=who,
-            steps=[state.call_id],
+        who = decided_by(decision)
+        recorded = decision_recorded(
+            state.ctx.thread_id,
+            state.ctx.graph_ns,
+            decision,
+            who,
+            [state.call_id],
+            task=state.task_ns,
+            ordinal=ordinal,
         )
-        moved = _ledger_move(entry, decision, who, datetime.now(UTC)) if entry is not None else None
+        moved = ledger_move(entry, decision, who, datetime.now(UTC)) if entry is not None else None
         if entry is not None:
             # Mark the entry even when its status stays (abandon), so a re-run of the task
             # knows this answer was applied.
@@ -433,13 +435,16 @@ def _takeover(
             yield WriteEvent(recorded)
     action = decision.action
     state.answered = False  # from here on, this execution meets new ground
+    state.decided, state.failed = True, None
     if action == "skip":
-        return error_message(state.request.tool_call, SKIPPED)
+        return state.marked(error_message(state.request.tool_call, SKIPPED))
     if action == "provide_result":
-        return _answer(state.call_id, state.name, decision.result)
+        return state.marked(_answer(state.call_id, state.name, decision.result))
+    if action == "accept" and "current" in asked:
+        return state.marked(_answer(state.call_id, state.name, asked["current"]))
     if action == "abandon":
         yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
-        return error_message(state.request.tool_call, ABANDONED)
+        return state.marked(error_message(state.request.tool_call, ABANDONED))
     if action == "edit_args":
         state.args = dict(decision.args or {})
     state.attempts, state.first_failed_at = 0, None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from taskpilots_graph.guard import held_here
-from taskpilots_graph.locks.base import LeaseBackend, thread_lease_name
+from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.locks.hold import (
     AsyncHold,
     Hold,

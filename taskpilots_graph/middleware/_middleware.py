@@ -1,19 +1,14 @@
-"""``RecoveryMiddleware``: the sync and async drivers of the flow in :mod:`._flow`."""
+"""``RecoveryMiddleware``: the flow of :mod:`._flow`, carried out by the engine's drivers."""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
 from typing import Any, cast
 
 from langchain.agents.middleware import AgentMiddleware
 from langchain.agents.middleware.types import ExtendedModelResponse, ModelRequest, ModelResponse
 from langchain_core.messages import AIMessage, ToolMessage
-from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
@@ -21,44 +16,47 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command, interrupt
 
 from taskpilots_graph import _clock
+from taskpilots_graph._compat import answers_waiting, create_agent_arguments, middleware_chain
 from taskpilots_graph.agent import DEFAULT_LEASE_TTL
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import valid_conversation
-from taskpilots_graph.errors import ConfigurationError, LedgerConflict
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.engine import AsyncDriver, Driver
+from taskpilots_graph.engine._drive import LeaseOwner
+from taskpilots_graph.engine._protocol import SUMMARY_CHARS, RunTool
+from taskpilots_graph.engine._run import (
+    answer_text,
+    answered,
+    resume_context,
+    run_finished,
+    run_started,
+)
+from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry
-from taskpilots_graph.locks.base import LeaseBackend
-from taskpilots_graph.middleware._compensate import acompensate, compensate
 from taskpilots_graph.middleware._flow import Flow, tool_flow
 from taskpilots_graph.middleware._leases import StepLeases
-from taskpilots_graph.middleware._owner import check_middleware, middleware_chain
+from taskpilots_graph.middleware._owner import check_middleware
 from taskpilots_graph.middleware._requests import (
     Ask,
-    CallTool,
-    CheckEffect,
     Compensate,
-    ErrorAnswer,
+    EndRun,
     Flush,
+    PassThrough,
+    ReadAsked,
     ReadLedger,
     RecordDecision,
     Settings,
     Sleep,
+    ToolSeat,
+    UseTool,
+    asked_in,
 )
-from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
-from taskpilots_graph.nodes._locks import CallLocks
-from taskpilots_graph.nodes._protocol import (
-    SUMMARY_CHARS,
-    AwaitOwner,
-    FindRepeat,
-    ReadEntry,
-    WriteEntry,
-    WriteEvent,
-)
-from taskpilots_graph.nodes.executor import acall_precheck, call_precheck
+from taskpilots_graph.nodes.compensate import acompensate_thread, compensate_thread
+from taskpilots_graph.nodes.think import RESUME_KEY, ResumeContext
 from taskpilots_graph.policy import ToolPolicy
-from taskpilots_graph.tools import reset_invocation, set_invocation
+from taskpilots_graph.prompts.resume import resume_message
 from taskpilots_graph.unfinished import areconcile_orphans, orphan_intents, reconcile_orphans
 
 __all__ = ["RecoveryMiddleware"]
@@ -66,15 +64,6 @@ __all__ = ["RecoveryMiddleware"]
 ToolHandler = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
 AsyncToolHandler = Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]]
 _RECORDED_MAX = 4096
-_SCRATCHPAD = "__pregel_scratchpad"  # LangGraph's per-task state, holding resume values
-
-
-def _answer_waiting(config: RunnableConfig) -> bool:
-    """Whether this task runs again with a person's answer to one of its interrupts."""
-    pad = (config.get("configurable") or {}).get(_SCRATCHPAD)
-    if pad is None:
-        return False
-    return bool(getattr(pad, "resume", None)) or pad.get_null_resume(False) is not None
 
 
 def _first_ai(response: Any) -> AIMessage | None:
@@ -88,7 +77,7 @@ def _first_ai(response: Any) -> AIMessage | None:
     return None
 
 
-class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
+class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
     """Duplicate-free recovery for a langchain ``create_agent`` agent, in one middleware.
 
     Every tool call goes through the side-effect ledger and the tool policies, as in
@@ -144,25 +133,20 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         self._settings = Settings(self.policies, self.default_policy, rng or random.Random())
         self._checked: set[tuple[bool, str]] = set()
         self._recorded: set[tuple[str, str]] = set()
-        if not isinstance(lease_ttl, int | float) or not math.isfinite(lease_ttl) or lease_ttl <= 0:
-            raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
-        self.leases = leases
-        self.lease_ttl = float(lease_ttl)
+        self._set_leases(leases, lease_ttl)
         self._steps = StepLeases(self.lease_backend, self.alease_backend, self.lease_ttl)
         # Threads whose run started with orphan intents in the ledger: settled at the first
         # model call, where the tools (and so their pre-checks) are at hand.
         self._orphaned: set[str] = set()
-
-    def lease_backend(self) -> LeaseBackend:
-        """Where thread leases and business locks live: the backend named with ``leases=``,
-        else the checkpointer's own database."""
-        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
-
-    async def alease_backend(self) -> LeaseBackend:
-        """Async form of :meth:`lease_backend`."""
-        if self.leases is not None:
-            return self.leases
-        return await self.checkpointer.alease_backend()
+        # Resumes (thread, run_resumed seq) whose prompt a model call already got. A resume
+        # marker lives in the config of one run only, so the mark is needed for that run
+        # alone (the recovery agent keeps it in its flow state).
+        self._resumed: set[tuple[str, Any]] = set()
+        self._resume = ResumeContext()
+        self._in_agent = False
+        # ``agent_started`` of a run, noted by ``before_agent`` and deferred by the run's first
+        # model call after its flush: it then rides along with the next durable write.
+        self._starting: dict[str, EventRecord] = {}
 
     @property
     def tools(self) -> list[BaseTool]:  # type: ignore[override]
@@ -173,17 +157,13 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         ``ToolRetryMiddleware`` would swallow an error raised later, at the first call
         (it retries every exception and hands the last one to the model as a message).
         """
-        frame = inspect.currentframe()
-        for _ in range(4):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                break
-            if frame.f_code.co_name == "create_agent" and "middleware" in frame.f_locals:
-                middleware = frame.f_locals["middleware"]
-                tools = frame.f_locals.get("tools") or ()
-                check_middleware(list(middleware), [t for t in tools if isinstance(t, BaseTool)])
-                break
-        del frame  # frames hold their locals alive
+        # Read by create_agent: this middleware runs a whole agent, whose run it logs from
+        # start to end (not so inside a ``tp.ToolNode``, which never reads it).
+        self._in_agent = True
+        found = create_agent_arguments()
+        if found is not None:
+            middleware, tools = found
+            check_middleware(middleware, [t for t in tools if isinstance(t, BaseTool)])
         return []
 
     def policy(self, tool: str | None) -> ToolPolicy:
@@ -207,31 +187,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         ctx = run_context(config)
         task_ns = str((config.get("configurable") or {}).get("checkpoint_ns") or "")
         flow = tool_flow(
-            self._settings, request, ctx, task_ns=task_ns, answered=_answer_waiting(config)
+            self._settings,
+            request,
+            ctx,
+            task_ns=task_ns,
+            answers=answers_waiting(config),
+            resumed=RESUME_KEY in (config.get("configurable") or {}),
         )
         return flow, ctx
-
-    def _write(self, request: WriteEntry, pending: list[EventRecord]) -> Any:
-        events = [*pending, request.event]
-        pending.clear()
-        try:
-            return self.checkpointer.write_ledger(
-                request.entry, expect=request.expect, events=events
-            )
-        except LedgerConflict:
-            pending[:0] = events[:-1]  # nothing was written: keep them
-            raise
-
-    async def _awrite(self, request: WriteEntry, pending: list[EventRecord]) -> Any:
-        events = [*pending, request.event]
-        pending.clear()
-        try:
-            return await self.checkpointer.awrite_ledger(
-                request.entry, expect=request.expect, events=events
-            )
-        except LedgerConflict:
-            pending[:0] = events[:-1]
-            raise
 
     def _ledger_view(self, entries: list[LedgerEntry], extra: LedgerEntry | None) -> Any:
         if extra is not None and all(e.key != extra.key for e in entries):
@@ -257,8 +220,21 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         except (RuntimeError, ConfigurationError):
             return None  # outside a run, or a run without a thread: nothing to record
 
+    def _replay(self, ctx: RunContext, recorded: str | None) -> ModelResponse[Any] | None:
+        """The model's recorded decision for this conversation, answered without a call."""
+        if recorded is None:
+            return None
+        ai = load_message(recorded)
+        assert isinstance(ai, AIMessage)
+        self._decided(ctx, ai, replayed=True)
+        return ModelResponse(result=[ai])
+
     def _decided(self, ctx: RunContext, ai: AIMessage | None, *, replayed: bool) -> None:
-        if ai is None or not ai.tool_calls:
+        if ai is None:
+            return
+        if not ai.tool_calls:
+            # The final answer, logged as the recovery agent's think node logs it.
+            self.checkpointer.defer_records([answered(ctx.thread_id, ctx.graph_ns, ai)])
             return
         event = prepare_event(
             ctx.thread_id,
@@ -275,78 +251,104 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         )
         self.checkpointer.defer_records([event])
 
+    def _resume_marker(self, ctx: RunContext) -> Mapping[str, Any] | None:
+        """The resume this run continues, if no model call of it got the prompt yet."""
+        try:
+            marker = (get_config().get("configurable") or {}).get(RESUME_KEY)
+        except RuntimeError:
+            return None
+        if not isinstance(marker, Mapping) or (ctx.thread_id, marker.get("seq")) in self._resumed:
+            return None
+        return marker
+
+    def _with_prompt(
+        self,
+        ctx: RunContext,
+        request: ModelRequest[Any],
+        marker: Mapping[str, Any],
+        ledger: list[LedgerEntry],
+    ) -> ModelRequest[Any]:
+        """The request with the resume prompt after the conversation, as the recovery
+        agent's think node gives it; only the model sees it (the state stays as it is)."""
+        prompt, refreshed = resume_message(
+            request.state, request.messages, ledger, marker, self._resume
+        )
+        event = resume_context(ctx.thread_id, ctx.graph_ns, str(prompt.content), refreshed)
+        self.checkpointer.defer_records([event])
+        return request.override(messages=[*request.messages, prompt])
+
+    def _handled(self, ctx: RunContext, marker: Mapping[str, Any] | None) -> None:
+        # Only once the model answered with the prompt: a failed call leaves it pending.
+        if marker is not None:
+            if len(self._resumed) >= _RECORDED_MAX:  # bounded: a worker runs many threads
+                self._resumed.clear()
+            self._resumed.add((ctx.thread_id, marker.get("seq")))
+
+    def _started(self, ctx: RunContext, state: Any) -> None:
+        # A new turn (the input ends on a user's message), logged as the recovery agent's
+        # think node logs it, before the model's first decision of the run.
+        started = run_started(ctx.thread_id, ctx.graph_ns, list(state.get("messages") or []))
+        if started is not None:
+            if len(self._starting) >= _RECORDED_MAX:  # bounded: a run may never reach the model
+                self._starting.clear()
+            self._starting[ctx.thread_id] = started
+
+    def _defer_start(self, ctx: RunContext) -> None:
+        # After the model call's flush, so that the event costs no transaction of its own.
+        started = self._starting.pop(ctx.thread_id, None)
+        if started is not None:
+            self.checkpointer.defer_records([started])
+
+    def _finished(self, ctx: RunContext, state: Any) -> list[EventRecord]:
+        # ``after_agent`` runs only when the agent loop ends on an answer (a pause for a
+        # person or an error leaves before it): the run closed, as the think node logs it.
+        messages = list(state.get("messages") or [])
+        answer = answer_text(messages[-1]) if messages else ""
+        return [run_finished(ctx.thread_id, ctx.graph_ns, "closed", answer=answer)]
+
     # -- sync driver ---------------------------------------------------------------------------
 
     def wrap_tool_call(self, request: ToolCallRequest, handler: ToolHandler) -> Any:
         """Run one tool call through the ledger, the tool policy and takeover."""
         self._check_owner(request, handler, is_async=False)
         flow, ctx = self._flow(request)
-        pending: list[EventRecord] = []
-        value: Any = None
-        thrown: BaseException | None = None
-        locks = CallLocks(ctx.thread_id, self.lease_ttl)
+        seat = ToolSeat()
+        driver = Driver(
+            self.checkpointer,
+            ctx.thread_id,
+            self.lease_backend,
+            self.lease_ttl,
+            lambda req: seat.answered(handler(cast(ToolCallRequest, seat.request)), req.effect),
+            check_args=seat.check,
+            other=lambda req: (
+                seat.use(req)
+                if isinstance(req, UseTool)
+                else self._do(req, handler, driver.pending)
+            ),
+        )
         try:
-            with self._steps.step(ctx.thread_id, ctx.checkpoint_id), contextlib.ExitStack() as held:
-                while True:
-                    try:
-                        req = flow.throw(thrown) if thrown is not None else flow.send(value)
-                    except StopIteration as stop:
-                        result = stop.value
-                        break
-                    value, thrown = None, None
-                    try:
-                        if isinstance(req, WriteEntry):
-                            req = replace(
-                                req, entry=locks.before_write(req.entry, self.lease_backend, held)
-                            )
-                        elif isinstance(req, CallTool) and req.invocation is not None:
-                            req = replace(req, invocation=locks.before_call(req.invocation))
-                        value = self._do(req, handler, pending)
-                    except Exception as exc:  # handed to the flow, which lets control flow through
-                        thrown = exc
+            with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
+                result = driver.drive(flow)
         except BaseException:
-            self.checkpointer.append_records(pending, flush=ctx.thread_id)
+            self.checkpointer.append_records(driver.pending, flush=ctx.thread_id)
             raise
         # Pure-tool events ride along with the thread's next durable write (the next model
         # call flushes them at the latest).
-        self.checkpointer.defer_records(pending)
+        self.checkpointer.defer_records(driver.pending)
         return result
 
     def _do(self, req: Any, handler: ToolHandler, pending: list[EventRecord]) -> Any:
+        """The middleware's own requests (the engine's driver carries out the protocol's)."""
         cp = self.checkpointer
-        if isinstance(req, CallTool):
-            token = set_invocation(req.invocation)
-            try:
-                answer = handler(req.request)
-            finally:
-                reset_invocation(token)
-            if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
-                raise ErrorAnswer(answer)
-            return answer
-        if isinstance(req, FindRepeat):
-            return cp.committed_effect(req.thread_id, req.tool, req.args_digest)
-        if isinstance(req, ReadEntry):
-            return cp.ledger_entry(req.key)
-        if isinstance(req, AwaitOwner):
-            return await_owner(
-                req, backend=self.lease_backend(), read=cp.ledger_entry, timeout=self.lease_ttl
-            )
-        if isinstance(req, WriteEntry):
-            return self._write(req, pending)
-        if isinstance(req, WriteEvent):
-            pending.append(req.event)
-            return None
-        if isinstance(req, CheckEffect):
-            return call_precheck(req.ctx, req.request)
+        if isinstance(req, PassThrough):
+            return handler(req.request)
         if isinstance(req, Sleep):
             _clock.sleep(req.seconds)
             return None
         if isinstance(req, Ask):
-            try:
-                return interrupt(req.payload)
-            except GraphBubbleUp:
-                pending.append(req.event)  # the run pauses: the request is on record
-                raise
+            return _ask(req, pending)
+        if isinstance(req, ReadAsked):
+            return asked_in(cp.events(req.thread_id), req)
         if isinstance(req, ReadLedger):
             extra = cp.ledger_entry(req.key) if req.key else None
             return self._ledger_view(cp.ledger(req.thread_id), extra)
@@ -356,14 +358,20 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                 self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
-            compensate(
+            # Inside the tool node, so an uncertain undo asks a person with interrupt().
+            compensate_thread(
                 cp,
                 req.thread_id,
-                req.checkpoint_ns,
                 req.tools,
-                leases=self.lease_backend(),
+                checkpoint_ns=req.checkpoint_ns,
+                ask=True,
+                leases=self.leases,
                 lease_ttl=self.lease_ttl,
             )
+            return None
+        if isinstance(req, EndRun):
+            if self._in_agent:
+                pending.append(req.event)
             return None
         if isinstance(req, Flush):
             if pending:
@@ -398,15 +406,16 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             self._orphaned.discard(ctx.thread_id)
             reconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
         cp.append_records([], flush=ctx.thread_id)
-        if ctx.durability != "sync":
-            digest = messages_digest(list(request.state.get("messages") or []))
-            recorded = cp.decision(ctx.thread_id, ctx.graph_ns, digest)
-            if recorded is not None:
-                ai = load_message(recorded)
-                assert isinstance(ai, AIMessage)
-                self._decided(ctx, ai, replayed=True)
-                return ModelResponse(result=[ai])
+        self._defer_start(ctx)
+        marker = self._resume_marker(ctx)
+        if ctx.durability != "sync" or marker is not None:
+            replayed = self._replay(ctx, cp.decision(ctx.thread_id, ctx.graph_ns, _digest(request)))
+            if replayed is not None:
+                return replayed  # the resume prompt waits for a real call
+        if marker is not None:
+            request = self._with_prompt(ctx, request, marker, cp.ledger(ctx.thread_id))
         response = handler(request)
+        self._handled(ctx, marker)
         self._decided(ctx, _first_ai(response), replayed=False)
         return response
 
@@ -420,15 +429,18 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         entry and the repeat guard. Costs one ledger read per run.
         """
         ctx = self._model_context()
-        if ctx is not None and orphan_intents(self.checkpointer.ledger(ctx.thread_id)):
+        if ctx is None:
+            return None
+        self._started(ctx, state)
+        if orphan_intents(self.checkpointer.ledger(ctx.thread_id)):
             self._orphaned.add(ctx.thread_id)
         return None
 
     def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Make the run's last buffered events durable before it returns."""
+        """Log the end of the run; make its buffered events durable before it returns."""
         ctx = self._model_context()
         if ctx is not None:
-            self.checkpointer.append_records([], flush=ctx.thread_id)
+            self.checkpointer.append_records(self._finished(ctx, state), flush=ctx.thread_id)
         return None
 
     # -- async driver --------------------------------------------------------------------------
@@ -437,64 +449,45 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         """Async form of :meth:`wrap_tool_call`."""
         self._check_owner(request, handler, is_async=True)
         flow, ctx = self._flow(request)
-        pending: list[EventRecord] = []
-        value: Any = None
-        thrown: BaseException | None = None
-        locks = CallLocks(ctx.thread_id, self.lease_ttl)
+        seat = ToolSeat()
+
+        async def run_tool(req: RunTool) -> Any:
+            return seat.answered(await handler(cast(ToolCallRequest, seat.request)), req.effect)
+
+        async def other(req: Any) -> Any:
+            if isinstance(req, UseTool):
+                return seat.use(req)
+            return await self._ado(req, handler, driver.pending)
+
+        driver = AsyncDriver(
+            self.checkpointer,
+            ctx.thread_id,
+            self.alease_backend,
+            self.lease_ttl,
+            run_tool,
+            check_args=seat.check,
+            other=other,
+        )
         try:
-            async with (
-                self._steps.astep(ctx.thread_id, ctx.checkpoint_id),
-                contextlib.AsyncExitStack() as held,
-            ):
-                while True:
-                    try:
-                        req = flow.throw(thrown) if thrown is not None else flow.send(value)
-                    except StopIteration as stop:
-                        result = stop.value
-                        break
-                    value, thrown = None, None
-                    try:
-                        if isinstance(req, WriteEntry):
-                            entry = await locks.abefore_write(req.entry, self.alease_backend, held)
-                            req = replace(req, entry=entry)
-                        elif isinstance(req, CallTool) and req.invocation is not None:
-                            req = replace(req, invocation=locks.before_call(req.invocation))
-                        value = await self._ado(req, handler, pending)
-                    except Exception as exc:
-                        thrown = exc
+            async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
+                result = await driver.drive(flow)
         except BaseException:
-            await self.checkpointer.aappend_records(pending, flush=ctx.thread_id)
+            await self.checkpointer.aappend_records(driver.pending, flush=ctx.thread_id)
             raise
-        self.checkpointer.defer_records(pending)
+        self.checkpointer.defer_records(driver.pending)
         return result
 
     async def _ado(self, req: Any, handler: AsyncToolHandler, pending: list[EventRecord]) -> Any:
         cp = self.checkpointer
-        if isinstance(req, CallTool):
-            token = set_invocation(req.invocation)
-            try:
-                answer = await handler(req.request)
-            finally:
-                reset_invocation(token)
-            if isinstance(answer, ToolMessage) and answer.status == "error" and req.invocation:
-                raise ErrorAnswer(answer)
-            return answer
-        if isinstance(req, FindRepeat):
-            return await cp.acommitted_effect(req.thread_id, req.tool, req.args_digest)
-        if isinstance(req, ReadEntry):
-            return await cp.aledger_entry(req.key)
-        if isinstance(req, AwaitOwner):
-            backend = await self.alease_backend()
-            return await aawait_owner(
-                req, backend=backend, read=cp.aledger_entry, timeout=self.lease_ttl
-            )
-        if isinstance(req, WriteEntry):
-            return await self._awrite(req, pending)
-        if isinstance(req, CheckEffect):
-            return await acall_precheck(req.ctx, req.request)
+        if isinstance(req, PassThrough):
+            return await handler(req.request)
         if isinstance(req, Sleep):
             await _clock.asleep(req.seconds)
             return None
+        if isinstance(req, Ask):
+            return _ask(req, pending)
+        if isinstance(req, ReadAsked):
+            return asked_in(await cp.aevents(req.thread_id), req)
         if isinstance(req, ReadLedger):
             extra = await cp.aledger_entry(req.key) if req.key else None
             return self._ledger_view(await cp.aledger(req.thread_id), extra)
@@ -504,22 +497,26 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
                 self._mark_recorded(req)
             return None
         if isinstance(req, Compensate):
-            await acompensate(
+            await acompensate_thread(
                 cp,
                 req.thread_id,
-                req.checkpoint_ns,
                 req.tools,
-                leases=await self.alease_backend(),
+                checkpoint_ns=req.checkpoint_ns,
+                ask=True,
+                leases=self.leases,
                 lease_ttl=self.lease_ttl,
             )
+            return None
+        if isinstance(req, EndRun):
+            if self._in_agent:
+                pending.append(req.event)
             return None
         if isinstance(req, Flush):
             if pending:
                 await cp.aappend_records(list(pending))
                 pending.clear()
             return None
-        # WriteEvent and Ask need no I/O of their own: the sync driver's code does.
-        return self._do(req, _no_handler, pending)
+        raise AssertionError(f"unknown request {req!r}")  # pragma: no cover
 
     async def awrap_model_call(
         self,
@@ -545,22 +542,27 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
             self._orphaned.discard(ctx.thread_id)
             await areconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
         await cp.aappend_records([], flush=ctx.thread_id)
-        if ctx.durability != "sync":
-            digest = messages_digest(list(request.state.get("messages") or []))
-            recorded = await cp.adecision(ctx.thread_id, ctx.graph_ns, digest)
-            if recorded is not None:
-                ai = load_message(recorded)
-                assert isinstance(ai, AIMessage)
-                self._decided(ctx, ai, replayed=True)
-                return ModelResponse(result=[ai])
+        self._defer_start(ctx)
+        marker = self._resume_marker(ctx)
+        if ctx.durability != "sync" or marker is not None:
+            recorded = await cp.adecision(ctx.thread_id, ctx.graph_ns, _digest(request))
+            replayed = self._replay(ctx, recorded)
+            if replayed is not None:
+                return replayed  # the resume prompt waits for a real call
+        if marker is not None:
+            request = self._with_prompt(ctx, request, marker, await cp.aledger(ctx.thread_id))
         response = await handler(request)
+        self._handled(ctx, marker)
         self._decided(ctx, _first_ai(response), replayed=False)
         return response
 
     async def abefore_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         """Async form of :meth:`before_agent`."""
         ctx = self._model_context()
-        if ctx is not None and orphan_intents(await self.checkpointer.aledger(ctx.thread_id)):
+        if ctx is None:
+            return None
+        self._started(ctx, state)
+        if orphan_intents(await self.checkpointer.aledger(ctx.thread_id)):
             self._orphaned.add(ctx.thread_id)
         return None
 
@@ -568,8 +570,13 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any]):
         """Async form of :meth:`after_agent`."""
         ctx = self._model_context()
         if ctx is not None:
-            await self.checkpointer.aappend_records([], flush=ctx.thread_id)
+            await self.checkpointer.aappend_records(self._finished(ctx, state), flush=ctx.thread_id)
         return None
+
+
+def _digest(request: ModelRequest[Any]) -> str:
+    """The digest a model decision is recorded under: of the conversation in the state."""
+    return messages_digest(list(request.state.get("messages") or []))
 
 
 def _tool_table(request: ModelRequest[Any]) -> dict[str, BaseTool]:
@@ -589,5 +596,11 @@ def _answered(request: ModelRequest[Any]) -> ModelRequest[Any]:
     return request.override(messages=cast(Any, fixed))  # AnyMessage: the same messages
 
 
-def _no_handler(request: ToolCallRequest) -> ToolMessage:  # pragma: no cover - never called
-    raise AssertionError("tool calls are driven by the async driver")
+def _ask(req: Ask, pending: list[EventRecord]) -> Any:
+    """``interrupt()`` for a person's decision; the request is on record if the run pauses."""
+    try:
+        return interrupt(req.payload)
+    except GraphBubbleUp:
+        if req.event is not None:
+            pending.append(req.event)
+        raise

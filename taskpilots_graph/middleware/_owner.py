@@ -14,33 +14,34 @@
   it turns a timeout into an error message, which hides from the ledger that the request may
   have reached the service.
 
-:func:`middleware_chain` recovers the stack from a ``handler`` at the first call, so the
-check also runs for users who never call :func:`check_middleware` themselves.
+:func:`taskpilots_graph._compat.middleware_chain` recovers the stack from a ``handler``
+at the first call, so the check also runs for users who never call
+:func:`check_middleware` themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain.agents.middleware import AgentMiddleware, ToolRetryMiddleware
 from langchain.agents.middleware.tool_error import ToolErrorMiddleware
 from langchain_core.tools import BaseTool
 
+from taskpilots_graph._compat import tool_filter
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.tools import spec_of
 
 if TYPE_CHECKING:
     from taskpilots_graph.middleware._middleware import RecoveryMiddleware
 
-__all__ = ["check_middleware", "middleware_chain"]
+__all__ = ["check_middleware"]
 
 _ANY_TOOL = "*"
-_MAX_DEPTH = 8
 
 
 def _covers(layer: AgentMiddleware[Any, Any, Any], tool: str) -> bool:
-    wanted: list[str] | None = getattr(layer, "_tool_filter", None)
+    wanted = tool_filter(layer)
     return wanted is None or tool == _ANY_TOOL or tool in wanted
 
 
@@ -54,7 +55,7 @@ def check_middleware(
     first call of each tool in any case)::
 
         middleware = [tp.RecoveryMiddleware(cp), ToolRetryMiddleware(tools=["kb_search"])]
-        tp.check_middleware(middleware, tools)  # ConfigurationError: two retry owners
+        check_middleware(middleware, tools)  # ConfigurationError: two retry owners
 
     Args:
         middleware: The list given to ``create_agent``, in its order (first = outermost).
@@ -118,78 +119,3 @@ def _check_layer(
             f"that a failed call of the side effect {label} may have reached the service; "
             "place it before RecoveryMiddleware in the middleware list"
         )
-
-
-def _owner_of(fn: Any) -> AgentMiddleware[Any, Any, Any] | None:
-    for _ in range(_MAX_DEPTH):
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, AgentMiddleware):
-            return owner
-        wrapped = getattr(fn, "__wrapped__", None)
-        if wrapped is None:
-            return None
-        fn = wrapped  # traceable() keeps the bound hook as __wrapped__
-    return None
-
-
-def _cells(fn: Any) -> dict[str, Any]:
-    code = getattr(fn, "__code__", None)
-    closure = getattr(fn, "__closure__", None)
-    if code is None or not closure:
-        return {}
-    values: dict[str, Any] = {}
-    for name, cell in zip(code.co_freevars, closure, strict=False):
-        try:
-            values[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    return values
-
-
-def _flatten(composed: Any, depth: int = 0) -> list[AgentMiddleware[Any, Any, Any]]:
-    """The middleware of a chain composed by ``create_agent``, outermost first."""
-    if depth > 64:
-        return []
-    owner = _owner_of(composed)
-    if owner is not None:
-        return [owner]
-    cells = _cells(composed)
-    if "outer" in cells and "inner" in cells:
-        return [*_flatten(cells["outer"], depth + 1), *_flatten(cells["inner"], depth + 1)]
-    return []
-
-
-def _tool_node(handler: Callable[..., Any]) -> Any:
-    """The ``ToolNode`` behind a ``wrap_tool_call`` handler, found through its closures."""
-    seen: set[int] = set()
-    frontier: list[Any] = [handler]
-    for _ in range(_MAX_DEPTH):
-        following: list[Any] = []
-        for fn in frontier:
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            for value in _cells(fn).values():
-                if hasattr(value, "_wrap_tool_call") and hasattr(value, "tools_by_name"):
-                    return value
-                if callable(value):
-                    following.append(value)
-        frontier = following
-    return None
-
-
-def middleware_chain(
-    handler: Callable[..., Any], *, is_async: bool
-) -> list[AgentMiddleware[Any, Any, Any]] | None:
-    """The tool-call middleware of the running agent, outermost first, or ``None``.
-
-    ``None`` when the chain cannot be recovered (a handler not built by ``create_agent``);
-    then only an explicit :func:`check_middleware` call guards the configuration.
-    """
-    node = _tool_node(handler)
-    if node is None:
-        return None
-    composed = getattr(node, "_awrap_tool_call" if is_async else "_wrap_tool_call", None)
-    if composed is None:
-        return None
-    return _flatten(composed) or None

@@ -11,11 +11,10 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, message_to_dict, messages_from_dict
 from langchain_core.runnables import RunnableConfig
 
+from taskpilots_graph._compat import task_durability
 from taskpilots_graph.errors import ConfigurationError
 
 __all__ = ["RunContext", "dump_message", "load_message", "messages_digest", "run_context"]
-
-_DURABILITY_KEY = "__pregel_durability"  # set by LangGraph for every task
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +57,7 @@ def run_context(config: RunnableConfig) -> RunContext:
     return RunContext(
         str(thread_id),
         graph_ns,
-        str(conf.get(_DURABILITY_KEY) or "async"),
+        task_durability(config),
         str(parents[-1]) if parents else None,
     )
 

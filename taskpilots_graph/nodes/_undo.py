@@ -3,7 +3,7 @@
 Compensation is a side effect of its own: a compensator that cancels a booking or refunds
 a charge reaches a service exactly like the call it undoes, and a crash in its middle
 leaves the same question ("did it happen?"). So the undo of the effect recorded under
-``key`` runs the ledger protocol of :mod:`taskpilots_graph.nodes._protocol` unchanged, under
+``key`` runs the ledger protocol of :mod:`taskpilots_graph.engine._protocol` unchanged, under
 its own entry:
 
 * key ``undo:<key>``, tool ``undo:<tool>``, the effect's arguments, ``extra["undo_of"]``
@@ -35,7 +35,6 @@ out; the agent's compensate node, ``RecoveryMiddleware`` and the coordinator all
 
 from __future__ import annotations
 
-import getpass
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -43,9 +42,11 @@ from typing import Any, Literal
 
 from langchain_core.tools import BaseTool
 
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.engine._call import CallContext, call_context
+from taskpilots_graph.engine._protocol import ReadEntry, WriteEntry, run_call
+from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import InvalidDecision, LedgerConflict
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 from taskpilots_graph.ledger import (
     CompensationUncertain,
     LedgerEntry,
@@ -54,17 +55,8 @@ from taskpilots_graph.ledger import (
     SideEffectSpec,
     SideEffectUncertain,
 )
-from taskpilots_graph.nodes._protocol import (
-    CallContext,
-    CallOutcome,
-    CheckArgs,
-    ReadEntry,
-    RunTool,
-    WriteEntry,
-    run_call,
-)
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
-from taskpilots_graph.tools import Invocation, spec_of
+from taskpilots_graph.tools import spec_of
 
 __all__ = [
     "LEFT_BY_PERSON",
@@ -75,7 +67,6 @@ __all__ = [
     "AskPerson",
     "CompensationReport",
     "Replay",
-    "RunCompensator",
     "UndoContext",
     "UndoOutcome",
     "apply_decision",
@@ -119,15 +110,6 @@ def undo_tool(tool: str) -> str:
 def is_undo(entry: LedgerEntry) -> bool:
     """Whether ``entry`` records the undo of another effect (not an effect to undo)."""
     return isinstance(entry.extra.get(UNDO_OF), str)
-
-
-@dataclass(frozen=True, slots=True)
-class RunCompensator:
-    """Run the tool's compensator, ``compensate(key, args, result)`` with the *effect's*
-    key, arguments and recorded result, while ``invocation`` (key ``undo:<key>``) is
-    ``current_invocation()``."""
-
-    invocation: Invocation
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,14 +182,15 @@ class UndoContext:
     def call(self) -> CallContext:
         """The undo as the ledger protocol sees a call."""
         effect = self.effect
-        return CallContext(
+        return call_context(
             thread_id=self.thread_id,
             checkpoint_ns=self.checkpoint_ns,
             tool=undo_tool(effect.tool),
-            args=dict(effect.args),
+            args=effect.args,
             tool_call_id=None,
             spec=_undo_spec(self.spec, effect),
             key=undo_key(effect.key),
+            extra={UNDO_OF: effect.key, "effect_tool": effect.tool},  # names what it undoes
         )
 
 
@@ -233,13 +216,6 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (containers)
-        return "unknown"
-
-
 def _event(ctx: UndoContext, kind: EventKind, **payload: Any) -> EventRecord:
     body = {
         "tool": undo_tool(ctx.effect.tool),
@@ -250,13 +226,6 @@ def _event(ctx: UndoContext, kind: EventKind, **payload: Any) -> EventRecord:
     return prepare_event(
         ctx.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=ctx.checkpoint_ns
     )
-
-
-def _marked(entry: LedgerEntry, effect: LedgerEntry) -> LedgerEntry:
-    """The undo entry as written: it names the effect it undoes."""
-    if entry.extra.get(UNDO_OF) == effect.key:
-        return entry
-    return replace(entry, extra={**entry.extra, UNDO_OF: effect.key, "effect_tool": effect.tool})
 
 
 def _decisions(entry: LedgerEntry, task: str) -> int:
@@ -272,7 +241,8 @@ def undo_effect(ctx: UndoContext) -> Generator[Any, Any, UndoOutcome]:
     """The undo of ``ctx.effect`` through the ledger (see the module for the rules).
 
     Yields the protocol's requests (``ReadEntry``, ``AwaitOwner``, ``WriteEntry``,
-    ``WriteEvent``, ``RunPrecheck``), :class:`RunCompensator` instead of ``RunTool``, and
+    ``WriteEvent``, ``RunPrecheck``, ``RunTool`` for the compensator, ``CheckArgs``, which
+    needs no answer: the effect's arguments were checked when it ran) and
     :class:`AskPerson` / :class:`Replay`.
 
     Raises:
@@ -297,7 +267,7 @@ def undo_effect(ctx: UndoContext) -> Generator[Any, Any, UndoOutcome]:
         if undo is not None and _left(undo):
             return UndoOutcome(effect.key, effect.tool, "left")
         try:
-            outcome = yield from _ledgered(ctx, call)
+            outcome = yield from run_call(call)
         except SideEffectUncertain as exc:
             undo = yield ReadEntry(call.key)
             assert undo is not None, "an uncertain undo has its entry"
@@ -310,31 +280,6 @@ def undo_effect(ctx: UndoContext) -> Generator[Any, Any, UndoOutcome]:
     marked = yield from _mark_compensated(ctx)
     status: Literal["undone", "already"] = "undone" if marked else "already"
     return UndoOutcome(effect.key, effect.tool, status, outcome.result, outcome.replayed)
-
-
-def _ledgered(ctx: UndoContext, call: CallContext) -> Generator[Any, Any, CallOutcome]:
-    """The ledger protocol with ``RunTool`` turned into :class:`RunCompensator`."""
-    gen = run_call(call)
-    value: Any = None
-    thrown: BaseException | None = None
-    while True:
-        try:
-            req = gen.throw(thrown) if thrown is not None else gen.send(value)
-        except StopIteration as stop:
-            outcome: CallOutcome = stop.value
-            return outcome
-        value, thrown = None, None
-        if isinstance(req, CheckArgs):
-            continue  # the effect's arguments were checked when it ran; nothing to validate
-        out: Any = req
-        if isinstance(req, RunTool):
-            out = RunCompensator(req.invocation)
-        elif isinstance(req, WriteEntry):
-            out = replace(req, entry=_marked(req.entry, ctx.effect))
-        try:
-            value = yield out
-        except Exception as exc:  # LangGraph control flow included: the protocol passes it on
-            thrown = exc
 
 
 def _request(ctx: UndoContext, undo: LedgerEntry, reason: str) -> dict[str, Any]:
@@ -405,7 +350,7 @@ def apply_decision(
             f"{decision.action!r} is not an answer to an uncertain undo; choose one of "
             f"{', '.join(UNDO_ACTIONS)}"
         )
-    who = decision.decided_by or _user()
+    who = decided_by(decision)
     now = _now()
     extra = dict(undo.extra)
     if ctx.task is not None:
@@ -413,37 +358,19 @@ def apply_decision(
             **dict(extra.get(UNDO_DECISIONS) or {}),
             ctx.task: _decisions(undo, ctx.task) + 1,
         }
-    if decision.action == "provide_result":
-        moved = replace(
-            undo,
-            status=LedgerStatus.COMMITTED,
-            result=decision.result,
-            error=None,
-            proof={"manual": True, "decided_by": who, "note": decision.note},
-            updated_at=now,
-            extra=extra,
-        )
-    else:
-        # retry: released for one more run (not sent, so the protocol executes it);
-        # skip: closed for good, the effect stays committed.
-        retry = decision.action == "retry"
-        moved = replace(
-            undo,
-            status=LedgerStatus.FAILED,
-            error={
-                "type": "retry_approved" if retry else LEFT_BY_PERSON,
-                "message": f"{decision.action} decided by {who}",
-                "maybe_sent": not retry,
-            },
-            updated_at=now,
-            extra=extra,
-        )
-    event = _event(
-        ctx,
-        EventKind.DECISION_RECORDED,
-        decision=decision.model_dump(mode="json", exclude_none=True),
-        decided_by=who,
-        steps=[],
+    # As for a step: provide_result commits with a manual proof, retry releases the undo
+    # for one more run, skip closes it for good (LEFT_BY_PERSON: the effect stays).
+    moved = replace(ledger_move(undo, decision, who, now) or undo, extra=extra)
+    effect = ctx.effect
+    event = decision_recorded(
+        ctx.thread_id,
+        ctx.checkpoint_ns,
+        decision,
+        who,
+        [],
+        tool=undo_tool(effect.tool),
+        key=undo_key(effect.key),
+        **{UNDO_OF: effect.key},
     )
     return moved, event
 

@@ -29,9 +29,8 @@ records the person's answer, and the next call goes on from it.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import HumanMessage
@@ -41,28 +40,18 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 from langgraph.types import interrupt
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine import AsyncDriver, Driver
+from taskpilots_graph.engine._protocol import RunTool
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import EventKind, EventRecord
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, SideEffectSpec
-from taskpilots_graph.locks.base import LeaseBackend
-from taskpilots_graph.nodes._await import aawait_owner, await_owner
 from taskpilots_graph.nodes._context import run_context
-from taskpilots_graph.nodes._locks import CallLocks
-from taskpilots_graph.nodes._protocol import (
-    AwaitOwner,
-    CallContext,
-    ReadEntry,
-    RunPrecheck,
-    WriteEntry,
-    WriteEvent,
-)
 from taskpilots_graph.nodes._undo import (
     AskPerson,
     CompensationReport,
     Replay,
-    RunCompensator,
     UndoContext,
     UndoOutcome,
     decision_write,
@@ -71,9 +60,8 @@ from taskpilots_graph.nodes._undo import (
     undo_effect,
     undo_key,
 )
-from taskpilots_graph.nodes.executor import RecoveryExecutor, acall_precheck, call_precheck
+from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.takeover import Decision
-from taskpilots_graph.tools import reset_invocation, set_invocation
 
 __all__ = [
     "ABANDONED",
@@ -111,7 +99,6 @@ def _task_scope(ask: bool) -> str | None:
 def _context(
     effect: LedgerEntry,
     spec: SideEffectSpec,
-    *,
     thread_id: str | None,
     checkpoint_ns: str,
     ask: bool,
@@ -157,173 +144,28 @@ def _sync_only(answer: Any, tool: str) -> Any:
     return answer
 
 
-def _person(
-    req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord]
-) -> tuple[Any, BaseException | None]:
-    """Ask (or replay an answer) with ``interrupt()``; where nobody can be asked, the typed
-    error to throw into the generator. An unanswered question pauses the run (raises)."""
+def _person(req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord]) -> Any:
+    """Ask (or replay an answer) with ``interrupt()``; where nobody can be asked, raises the
+    typed error (the driver throws it into the generator). An unanswered question pauses
+    the run (``GraphBubbleUp``)."""
     if ctx.task is None:
         assert isinstance(req, AskPerson), "answers are replayed only inside a graph"
-        return None, req.error
+        raise req.error
     try:
-        return interrupt(req.payload), None
+        return interrupt(req.payload)
     except GraphBubbleUp:
         if isinstance(req, AskPerson):
             pending.append(req.event)  # the run pauses: the question is on record
         raise
 
 
-def _drive(
-    cp: RecoveryAPI,
-    ctx: UndoContext,
-    *,
-    backend: Callable[[], LeaseBackend],
-    ttl: float,
-) -> UndoOutcome:
-    """Carry out :func:`~taskpilots_graph.nodes._undo.undo_effect` synchronously."""
-    gen = undo_effect(ctx)
-    call: CallContext = ctx.call
+def _compensator(ctx: UndoContext) -> Callable[[], Any]:
+    """The compensator's call: ``compensate(key, args, result)`` with the *effect's* key,
+    arguments and recorded result (``current_invocation()`` names the undo)."""
     compensate = ctx.spec.compensate
     assert compensate is not None
-    guard = CallLocks(ctx.thread_id, ttl)
-    pending: list[EventRecord] = []
-    value: Any = None
-    thrown: BaseException | None = None
-    try:
-        with contextlib.ExitStack() as held:
-            while True:
-                try:
-                    req = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    outcome: UndoOutcome = stop.value
-                    break
-                value, thrown = None, None
-                if isinstance(req, AskPerson | Replay):
-                    value, thrown = _person(req, ctx, pending)
-                    continue
-                # Outside the try: a lost lease stops before the undo, as in the executor.
-                invocation = (
-                    guard.before_call(req.invocation) if isinstance(req, RunCompensator) else None
-                )
-                try:
-                    if isinstance(req, ReadEntry):
-                        value = cp.ledger_entry(req.key)
-                    elif isinstance(req, AwaitOwner):
-                        value = await_owner(
-                            req, backend=backend(), read=cp.ledger_entry, timeout=ttl
-                        )
-                    elif isinstance(req, WriteEntry):
-                        entry = guard.before_write(req.entry, backend, held)
-                        value = cp.write_ledger(
-                            entry, expect=req.expect, events=[*pending, req.event]
-                        )
-                        pending.clear()
-                    elif isinstance(req, WriteEvent):
-                        pending.append(req.event)
-                    elif isinstance(req, RunPrecheck):
-                        value = call_precheck(call, req)
-                    elif isinstance(req, RunCompensator):
-                        assert invocation is not None
-                        token = set_invocation(invocation)
-                        try:
-                            effect = ctx.effect
-                            answer = compensate(effect.key, dict(effect.args), effect.result)
-                            value = _sync_only(answer, effect.tool)
-                        finally:
-                            reset_invocation(token)
-                    else:  # pragma: no cover - the generator yields nothing else
-                        raise AssertionError(f"unknown request {req!r}")
-                except Exception as exc:  # handed to the protocol, which passes control flow on
-                    thrown = exc
-    except BaseException:
-        cp.append_records(pending, flush=ctx.thread_id)
-        raise
-    if pending:
-        cp.append_records(pending)
-    return outcome
-
-
-async def _adrive(
-    cp: RecoveryAPI,
-    ctx: UndoContext,
-    *,
-    backend: Callable[[], Awaitable[LeaseBackend]],
-    ttl: float,
-) -> UndoOutcome:
-    """Async form of :func:`_drive` (the compensator may be a coroutine function)."""
-    gen = undo_effect(ctx)
-    call: CallContext = ctx.call
-    compensate = ctx.spec.compensate
-    assert compensate is not None
-    guard = CallLocks(ctx.thread_id, ttl)
-    pending: list[EventRecord] = []
-    value: Any = None
-    thrown: BaseException | None = None
-    try:
-        async with contextlib.AsyncExitStack() as held:
-            while True:
-                try:
-                    req = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    outcome: UndoOutcome = stop.value
-                    break
-                value, thrown = None, None
-                if isinstance(req, AskPerson | Replay):
-                    value, thrown = _person(req, ctx, pending)
-                    continue
-                invocation = (
-                    guard.before_call(req.invocation) if isinstance(req, RunCompensator) else None
-                )
-                try:
-                    if isinstance(req, ReadEntry):
-                        value = await cp.aledger_entry(req.key)
-                    elif isinstance(req, AwaitOwner):
-                        value = await aawait_owner(
-                            req, backend=await backend(), read=cp.aledger_entry, timeout=ttl
-                        )
-                    elif isinstance(req, WriteEntry):
-                        entry = await guard.abefore_write(req.entry, backend, held)
-                        value = await cp.awrite_ledger(
-                            entry, expect=req.expect, events=[*pending, req.event]
-                        )
-                        pending.clear()
-                    elif isinstance(req, WriteEvent):
-                        pending.append(req.event)
-                    elif isinstance(req, RunPrecheck):
-                        value = await acall_precheck(call, req)
-                    elif isinstance(req, RunCompensator):
-                        assert invocation is not None
-                        token = set_invocation(invocation)
-                        try:
-                            effect = ctx.effect
-                            value = compensate(effect.key, dict(effect.args), effect.result)
-                            if inspect.isawaitable(value):
-                                value = await value
-                        finally:
-                            reset_invocation(token)
-                    else:  # pragma: no cover - the generator yields nothing else
-                        raise AssertionError(f"unknown request {req!r}")
-                except Exception as exc:
-                    thrown = exc
-    except BaseException:
-        await cp.aappend_records(pending, flush=ctx.thread_id)
-        raise
-    if pending:
-        await cp.aappend_records(pending)
-    return outcome
-
-
-def _backend(cp: RecoveryAPI, leases: LeaseBackend | None) -> Callable[[], LeaseBackend]:
-    return lambda: leases if leases is not None else cp.lease_backend()
-
-
-def _abackend(
-    cp: RecoveryAPI, leases: LeaseBackend | None
-) -> Callable[[], Awaitable[LeaseBackend]]:
-    async def backend() -> LeaseBackend:
-        return leases if leases is not None else await cp.alease_backend()
-
-    return backend
+    effect = ctx.effect
+    return lambda: compensate(effect.key, dict(effect.args), effect.result)
 
 
 def compensate_effect(
@@ -354,7 +196,8 @@ def compensate_effect(
     Args:
         cp: The recovery checkpointer holding the effect's ledger entry.
         effect: The effect's entry (``committed``; one found ``compensated`` is left).
-        spec: The effect's tool declaration (``tp.spec_of(tool)``), with ``compensate=``.
+        spec: The effect's tool declaration (``taskpilots_graph.tools.spec_of(tool)``),
+            with ``compensate=``.
         thread_id: The thread whose run performs the undo: its ledger holds the undo entry
             and its log the undo's events; an intent of it is waited for while that
             thread's lease is held elsewhere. Default: the effect's thread.
@@ -382,17 +225,24 @@ def compensate_effect(
         Exception: The compensator's own error when it failed before acting (the undo can
             run again later).
     """
-    ctx = _context(
-        effect,
-        spec,
-        thread_id=thread_id,
-        checkpoint_ns=checkpoint_ns,
-        ask=ask,
-        by=by,
-        goal=goal,
-        committed=committed,
+    ctx = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
+    run = _compensator(ctx)
+    driver = Driver(
+        cp,
+        ctx.thread_id,
+        lambda: leases if leases is not None else cp.lease_backend(),
+        lease_ttl,
+        lambda _: _sync_only(run(), ctx.effect.tool),
+        other=lambda req: _person(req, ctx, driver.pending),
     )
-    return _drive(cp, ctx, backend=_backend(cp, leases), ttl=lease_ttl)
+    try:
+        outcome = driver.drive(undo_effect(ctx))
+    except BaseException:
+        cp.append_records(driver.pending, flush=ctx.thread_id)
+        raise
+    if driver.pending:
+        cp.append_records(driver.pending)
+    return outcome
 
 
 async def acompensate_effect(
@@ -411,17 +261,28 @@ async def acompensate_effect(
 ) -> UndoOutcome:
     """Async form of :func:`compensate_effect` (the compensator and the undo pre-check may
     be coroutine functions)."""
-    ctx = _context(
-        effect,
-        spec,
-        thread_id=thread_id,
-        checkpoint_ns=checkpoint_ns,
-        ask=ask,
-        by=by,
-        goal=goal,
-        committed=committed,
-    )
-    return await _adrive(cp, ctx, backend=_abackend(cp, leases), ttl=lease_ttl)
+    ctx = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
+    run = _compensator(ctx)
+
+    async def backend() -> LeaseBackend:
+        return leases if leases is not None else await cp.alease_backend()
+
+    async def run_tool(_: RunTool) -> Any:
+        value = run()
+        return (await value) if inspect.isawaitable(value) else value
+
+    async def other(req: AskPerson | Replay) -> Any:
+        return _person(req, ctx, driver.pending)
+
+    driver = AsyncDriver(cp, ctx.thread_id, backend, lease_ttl, run_tool, other=other)
+    try:
+        outcome = await driver.drive(undo_effect(ctx))
+    except BaseException:
+        await cp.aappend_records(driver.pending, flush=ctx.thread_id)
+        raise
+    if driver.pending:
+        await cp.aappend_records(driver.pending)
+    return outcome
 
 
 def compensate_thread(
@@ -444,23 +305,11 @@ def compensate_thread(
     undone). Arguments as for :func:`compensate_effect`; ``tools`` by name.
     """
     todo, missing, committed = plan_thread(cp.ledger(thread_id), tools)
-    outcomes = []
-    for entry, spec in todo:
-        outcomes.append(
-            compensate_effect(
-                cp,
-                entry,
-                spec,
-                thread_id=thread_id,
-                checkpoint_ns=checkpoint_ns,
-                by=by,
-                ask=ask,
-                leases=leases,
-                lease_ttl=lease_ttl,
-                goal=goal,
-                committed=committed,
-            )
-        )
+    options: dict[str, Any] = {
+        **{"thread_id": thread_id, "checkpoint_ns": checkpoint_ns, "ask": ask, "by": by},
+        **{"leases": leases, "lease_ttl": lease_ttl, "goal": goal, "committed": committed},
+    }
+    outcomes = [compensate_effect(cp, entry, spec, **options) for entry, spec in todo]
     if missing:
         cp.append_event(
             thread_id,
@@ -485,23 +334,11 @@ async def acompensate_thread(
 ) -> CompensationReport:
     """Async form of :func:`compensate_thread`."""
     todo, missing, committed = plan_thread(await cp.aledger(thread_id), tools)
-    outcomes = []
-    for entry, spec in todo:
-        outcomes.append(
-            await acompensate_effect(
-                cp,
-                entry,
-                spec,
-                thread_id=thread_id,
-                checkpoint_ns=checkpoint_ns,
-                by=by,
-                ask=ask,
-                leases=leases,
-                lease_ttl=lease_ttl,
-                goal=goal,
-                committed=committed,
-            )
-        )
+    options: dict[str, Any] = {
+        **{"thread_id": thread_id, "checkpoint_ns": checkpoint_ns, "ask": ask, "by": by},
+        **{"leases": leases, "lease_ttl": lease_ttl, "goal": goal, "committed": committed},
+    }
+    outcomes = [await acompensate_effect(cp, entry, spec, **options) for entry, spec in todo]
     if missing:
         await cp.aappend_event(
             thread_id,

@@ -1,7 +1,7 @@
 """The executor ("act") node: runs the model's tool calls, side effects through the ledger.
 
 For every pending tool call of the last ``AIMessage`` it runs the ledger protocol of
-:mod:`taskpilots_graph.nodes._protocol`: a side-effecting tool is intended durably before it
+:mod:`taskpilots_graph.engine._protocol`: a side-effecting tool is intended durably before it
 runs and committed after; on a re-run (retry, resume after a crash) the ledger decides
 whether to return the recorded result, ask the pre-check, execute again, or stop with
 :class:`~taskpilots_graph.ledger.SideEffectUncertain`.
@@ -24,87 +24,47 @@ else the checkpointer's own database:
   keeps it until the call is settled; the fencing token is stamped on every ledger write of
   the call (``extra["fencing"]``) and passed in ``current_invocation().fencing``. A lock that
   cannot be taken fails the call closed (nothing written, nothing run); see
-  :func:`~taskpilots_graph.nodes._protocol.lock_refused`. Both are carried out by
-  :class:`~taskpilots_graph.nodes._locks.CallLocks`, as in ``RecoveryMiddleware``.
+  :func:`~taskpilots_graph.engine._protocol.run_call`. Both are carried out by
+  :class:`~taskpilots_graph.engine._locks.CallLocks`, as in ``RecoveryMiddleware``.
 
 An ``intended`` entry found under the key of a new call is waited for while its writer's
-thread lease is held by another runner (:mod:`taskpilots_graph.nodes._await`): a live
+thread lease is held by another runner (:mod:`taskpilots_graph.engine._await`): a live
 intent is never pre-checked or executed against, only an orphan is reconciled.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
-import contextvars
-import inspect
 import json
-import math
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
-from langgraph.errors import GraphBubbleUp
 
 from taskpilots_graph import _clock
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.compression import CompressedObservation, Observation, compress_observation
 from taskpilots_graph.drift import placeholder, unserialisable
-from taskpilots_graph.errors import (
-    ConfigurationError,
-    LedgerConflict,
-    LockBackendUnavailable,
-    ResultDrifted,
-    ThreadBusy,
-)
-from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.engine import AsyncDriver, CallContext, CallOutcome, Driver, call_context
+from taskpilots_graph.engine._drive import LeaseOwner
+from taskpilots_graph.engine._protocol import SUMMARY_CHARS, RunTool, latest_successes, run_call
+from taskpilots_graph.engine._recovery import failure_signature
+from taskpilots_graph.errors import ConfigurationError, ResultDrifted
+from taskpilots_graph.events import Event, EventKind, EventRecord, prepare_event
 from taskpilots_graph.failures import classify, failure_payload
-from taskpilots_graph.ledger import (
-    SideEffectUncertain,
-    Unknown,
-    args_digest,
-    default_key,
-)
-from taskpilots_graph.locks.base import LeaseBackend
-from taskpilots_graph.nodes._await import aawait_owner, await_owner
+from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.ledger import SideEffectUncertain, args_digest
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
-from taskpilots_graph.nodes._locks import CallLocks
-from taskpilots_graph.nodes._protocol import (
-    SUMMARY_CHARS,
-    AwaitOwner,
-    CallContext,
-    CallOutcome,
-    CheckArgs,
-    FindRepeat,
-    ReadEntry,
-    RunPrecheck,
-    WriteEntry,
-    WriteEvent,
-    lock_refused,
-    run_call,
-)
 from taskpilots_graph.nodes.think import RESUME_KEY
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
-from taskpilots_graph.tools import (
-    SideEffectTool,
-    check_args,
-    reset_invocation,
-    set_invocation,
-    spec_of,
-)
+from taskpilots_graph.tools import SideEffectTool, check_args, spec_of
 from taskpilots_graph.window import ObservationPolicy
 
 __all__ = [
     "RecoveryExecutor",
-    "acall_precheck",
-    "call_precheck",
     "error_message",
     "pending_calls",
     "tool_content",
@@ -172,7 +132,7 @@ def error_message(call: ToolCall, text: str) -> ToolMessage:
     )
 
 
-class RecoveryExecutor:
+class RecoveryExecutor(LeaseOwner):
     """The act node: use it in a ``StateGraph`` with the channels of ``RecoveryState``.
 
     Args:
@@ -222,10 +182,7 @@ class RecoveryExecutor:
         self.checkpointer = checkpointer
         self.policies = validate_policies(policies, self.tools)
         self.default_policy = default_policy or ToolPolicy()
-        if not isinstance(lease_ttl, int | float) or not math.isfinite(lease_ttl) or lease_ttl <= 0:
-            raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
-        self.leases = leases
-        self.lease_ttl = float(lease_ttl)
+        self._set_leases(leases, lease_ttl)
         if observations is not None and not isinstance(observations, ObservationPolicy):
             raise ConfigurationError("observations must be an ObservationPolicy or None")
         if memory_window is not None:
@@ -259,31 +216,14 @@ class RecoveryExecutor:
             using = record.get("using") or call["name"]
             tool = self.tools.get(using)
             spec = spec_of(tool) if tool is not None else None
-            args = dict(record.get("args") or call["args"])  # a person may have edited them
-            key = (
-                spec.key(args)
-                if spec is not None and spec.key is not None
-                else default_key(
-                    thread_id=ctx.thread_id,
-                    checkpoint_ns=ctx.graph_ns,
-                    tool_call_id=call["id"],
-                    tool=using,
-                    args=args,
-                )
-            )
-            policy = self.policy(using)
-            call_ctx = CallContext(
+            call_ctx = call_context(
                 thread_id=ctx.thread_id,
                 checkpoint_ns=ctx.graph_ns,
                 tool=using,
-                args=args,
+                args=record.get("args") or call["args"],  # a person may have edited them
                 tool_call_id=call["id"],
                 spec=spec,
-                key=key,
-                rules=tuple(policy.rules),
-                confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
-                drift_comparator=(spec.drift_comparator if spec is not None else None)
-                or policy.drift_comparator,
+                policy=self.policy(using),
                 attempt=int(record.get("attempts", 0)) + 1,
             )
             prepared.append(_Call(call, tool, call_ctx, record))
@@ -313,11 +253,7 @@ class RecoveryExecutor:
     @staticmethod
     def _attach_previous(step: _Step, events: Sequence[Event]) -> None:
         """Give each call the ``tool_succeeded`` payload of its latest earlier execution."""
-        latest: dict[tuple[Any, Any], Mapping[str, Any]] = {}
-        for event in events:
-            if event.kind is EventKind.TOOL_SUCCEEDED and not event.superseded:
-                p = event.payload
-                latest[(p.get("key"), p.get("tool_call_id"))] = p
+        latest = latest_successes(events)  # one read for the whole step
         for item in step.calls:
             found = latest.get((item.ctx.key, item.ctx.tool_call_id))
             if found is not None:
@@ -445,10 +381,9 @@ class RecoveryExecutor:
                 # A signature counts once per tool call: retries of one step are bounded by
                 # the policy; the same failure across *new* calls is what a stuck loop is.
                 if not same_as_before:
-                    signatures.append(
-                        f"{item.ctx.tool}|{outcome.failure.kind}|{outcome.failure.error_type}|"
-                        f"{args_digest(item.ctx.args)[:16]}"
-                    )
+                    failure = outcome.failure
+                    signature = failure_signature(item.ctx.tool, failure.kind, failure.error_type)
+                    signatures.append(f"{signature}|{args_digest(item.ctx.args)[:16]}")
         closed = [r for r in records.values() if r is not None]
         step.pending.append(
             self._event(
@@ -500,24 +435,13 @@ class RecoveryExecutor:
             (cp.defer_decision if _has_side_effect(step) else cp.record_decision)(*decision)
         if step.replayed:
             self._attach_previous(step, cp.events(step.ctx.thread_id))
-        outcomes = []
         try:
-            for item in step.calls:
-                try:
-                    outcome = (
-                        CallOutcome() if item.tool is None else self._drive(step, item, config)
-                    )
-                except SideEffectUncertain as exc:
-                    outcome = _uncertain(exc)
-                outcomes.append((item, outcome))
+            outcomes = [(item, self._drive(step, item, config)) for item in step.calls]
             artifacts: list[CompressedObservation] = []
             update = self._finish(state, step, outcomes, artifacts)
             for done in artifacts:
-                cp.put_artifact(
-                    step.ctx.thread_id,
-                    done.payload or b"",
-                    media_type=done.observation["media_type"],
-                )
+                media_type = done.observation["media_type"]
+                cp.put_artifact(step.ctx.thread_id, done.payload or b"", media_type=media_type)
         except BaseException:
             cp.append_records(step.take_pending(), flush=step.ctx.thread_id)
             raise
@@ -525,77 +449,26 @@ class RecoveryExecutor:
         cp.defer_records(step.take_pending())
         return update
 
-    def lease_backend(self) -> LeaseBackend:
-        """Where thread leases and business locks live: the backend named with ``leases=``,
-        else the checkpointer's own database (so ``lock=`` is always enforced)."""
-        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
-
-    async def alease_backend(self) -> LeaseBackend:
-        """Async form of :meth:`lease_backend`."""
-        if self.leases is not None:
-            return self.leases
-        return await self.checkpointer.alease_backend()
-
     def _drive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
-        cp = self.checkpointer
-        gen = run_call(item.ctx)
-        guard = CallLocks(item.ctx.thread_id, self.lease_ttl)
-        value: Any = None
-        thrown: Exception | None = None
-        with contextlib.ExitStack() as locks:
-            while True:
-                try:
-                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    outcome: CallOutcome = stop.value
-                    return outcome
-                value, thrown = None, None
-                if isinstance(request, CheckArgs):
-                    try:
-                        check_args(_target(item.tool), request.args)
-                    except Exception as exc:
-                        thrown = exc
-                elif isinstance(request, FindRepeat):
-                    value = cp.committed_effect(
-                        request.thread_id, request.tool, request.args_digest
-                    )
-                elif isinstance(request, ReadEntry):
-                    value = cp.ledger_entry(request.key)
-                elif isinstance(request, AwaitOwner):
-                    value = await_owner(
-                        request,
-                        backend=self.lease_backend(),
-                        read=cp.ledger_entry,
-                        timeout=self.lease_ttl,
-                    )
-                elif isinstance(request, WriteEntry):
-                    try:
-                        entry = guard.before_write(request.entry, self.lease_backend, locks)
-                    except (LockBackendUnavailable, ThreadBusy) as exc:
-                        gen.close()
-                        return _refused(step, item, exc, request.entry.attempt)
-                    events = [*step.take_pending(), request.event]
-                    try:
-                        value = cp.write_ledger(entry, expect=request.expect, events=events)
-                    except LedgerConflict as exc:
-                        step.pending[:0] = events[:-1]  # nothing was written: keep them
-                        thrown = exc
-                elif isinstance(request, WriteEvent):
-                    step.pending.append(request.event)
-                elif isinstance(request, RunPrecheck):
-                    value = call_precheck(item.ctx, request)
-                else:
-                    invocation = request.invocation
-                    if item.ctx.spec is not None:
-                        invocation = guard.before_call(invocation)
-                    token = set_invocation(invocation)
-                    try:
-                        value = _target(item.tool).invoke(dict(item.ctx.args), config)
-                    except Exception as exc:
-                        # Handed to the protocol, which lets LangGraph control flow through.
-                        thrown = exc
-                    finally:
-                        reset_invocation(token)
+        if item.tool is None:
+            return CallOutcome()  # answered "unknown tool" by _settle
+
+        def run_tool(request: RunTool) -> Any:
+            return _target(item.tool).invoke(dict(item.ctx.args), config)
+
+        driver = Driver(
+            self.checkpointer,
+            item.ctx.thread_id,
+            self.lease_backend,
+            self.lease_ttl,
+            run_tool,
+            check_args=lambda args: check_args(_target(item.tool), args),
+            pending=step.pending,
+        )
+        try:
+            return driver.drive(run_call(item.ctx))
+        except SideEffectUncertain as exc:
+            return _uncertain(exc)
 
     # -- async driver ------------------------------------------------------------------------
 
@@ -613,25 +486,14 @@ class RecoveryExecutor:
                 await cp.arecord_decision(*decision)
         if step.replayed:
             self._attach_previous(step, await cp.aevents(step.ctx.thread_id))
-        outcomes = []
         try:
-            for item in step.calls:
-                try:
-                    outcome = (
-                        CallOutcome()
-                        if item.tool is None
-                        else await self._adrive(step, item, config)
-                    )
-                except SideEffectUncertain as exc:
-                    outcome = _uncertain(exc)
-                outcomes.append((item, outcome))
+            outcomes = [(item, await self._adrive(step, item, config)) for item in step.calls]
             artifacts: list[CompressedObservation] = []
             update = self._finish(state, step, outcomes, artifacts)
             for done in artifacts:
+                media_type = done.observation["media_type"]
                 await cp.aput_artifact(
-                    step.ctx.thread_id,
-                    done.payload or b"",
-                    media_type=done.observation["media_type"],
+                    step.ctx.thread_id, done.payload or b"", media_type=media_type
                 )
         except BaseException:
             await cp.aappend_records(step.take_pending(), flush=step.ctx.thread_id)
@@ -640,71 +502,25 @@ class RecoveryExecutor:
         return update
 
     async def _adrive(self, step: _Step, item: _Call, config: RunnableConfig) -> CallOutcome:
-        cp = self.checkpointer
-        gen = run_call(item.ctx)
-        guard = CallLocks(item.ctx.thread_id, self.lease_ttl)
-        value: Any = None
-        thrown: Exception | None = None
-        async with contextlib.AsyncExitStack() as locks:
-            while True:
-                try:
-                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    outcome: CallOutcome = stop.value
-                    return outcome
-                value, thrown = None, None
-                if isinstance(request, CheckArgs):
-                    try:
-                        check_args(_target(item.tool), request.args)
-                    except Exception as exc:
-                        thrown = exc
-                elif isinstance(request, FindRepeat):
-                    value = await cp.acommitted_effect(
-                        request.thread_id, request.tool, request.args_digest
-                    )
-                elif isinstance(request, ReadEntry):
-                    value = await cp.aledger_entry(request.key)
-                elif isinstance(request, AwaitOwner):
-                    value = await aawait_owner(
-                        request,
-                        backend=await self.alease_backend(),
-                        read=cp.aledger_entry,
-                        timeout=self.lease_ttl,
-                    )
-                elif isinstance(request, WriteEntry):
-                    try:
-                        entry = await guard.abefore_write(request.entry, self.alease_backend, locks)
-                    except (LockBackendUnavailable, ThreadBusy) as exc:
-                        gen.close()
-                        return _refused(step, item, exc, request.entry.attempt)
-                    events = [*step.take_pending(), request.event]
-                    try:
-                        value = await cp.awrite_ledger(entry, expect=request.expect, events=events)
-                    except LedgerConflict as exc:
-                        step.pending[:0] = events[:-1]
-                        thrown = exc
-                elif isinstance(request, WriteEvent):
-                    step.pending.append(request.event)
-                elif isinstance(request, RunPrecheck):
-                    value = await acall_precheck(item.ctx, request)
-                else:
-                    invocation = request.invocation
-                    if item.ctx.spec is not None:
-                        invocation = guard.before_call(invocation)
-                    token = set_invocation(invocation)
-                    try:
-                        value = await _target(item.tool).ainvoke(dict(item.ctx.args), config)
-                    except Exception as exc:
-                        thrown = exc
-                    finally:
-                        reset_invocation(token)
+        if item.tool is None:
+            return CallOutcome()
 
+        async def run_tool(request: RunTool) -> Any:
+            return await _target(item.tool).ainvoke(dict(item.ctx.args), config)
 
-def _refused(step: _Step, item: _Call, exc: BaseException, attempt: int) -> CallOutcome:
-    """The business lock could not be taken: fail closed, nothing written, nothing run."""
-    event, outcome = lock_refused(item.ctx, exc, attempt)
-    step.pending.append(event)
-    return outcome
+        driver = AsyncDriver(
+            self.checkpointer,
+            item.ctx.thread_id,
+            self.alease_backend,
+            self.lease_ttl,
+            run_tool,
+            check_args=lambda args: check_args(_target(item.tool), args),
+            pending=step.pending,
+        )
+        try:
+            return await driver.drive(run_call(item.ctx))
+        except SideEffectUncertain as exc:
+            return _uncertain(exc)
 
 
 def _uncertain(exc: SideEffectUncertain) -> CallOutcome:
@@ -745,126 +561,3 @@ def _target(tool: BaseTool | None) -> BaseTool:
     assert tool is not None, "unknown tools are answered without running"
     # Call the wrapped tool itself, so callbacks see one tool run, not two nested ones.
     return tool.tool if isinstance(tool, SideEffectTool) else tool
-
-
-def _timed_out(limit: float) -> Unknown:
-    return Unknown(f"pre-check timed out after {limit:g} s")
-
-
-def _in_worker(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-    """Run ``fn(*args)`` in a new daemon thread (with the caller's context variables).
-
-    Not a pool: a hung pre-check keeps its thread for good (Python cannot kill a thread),
-    and a daemon thread at least never holds up the interpreter's exit, as a pool's
-    workers would (they are joined at exit).
-    """
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    context = contextvars.copy_context()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(context.run(fn, *args))
-        except BaseException as exc:  # handed to the waiting caller, if any is left
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="taskpilots-precheck", daemon=True).start()
-    return future
-
-
-async def _await_worker(fn: Callable[..., Any], *args: Any) -> Any:
-    """:func:`_in_worker` awaited: the answer is handed to this loop, if it still runs."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[Any] = loop.create_future()
-
-    def deliver(done: concurrent.futures.Future[Any]) -> None:
-        def settle() -> None:
-            if waiter.done():
-                return  # timed out meanwhile: the late answer is dropped
-            error = done.exception()
-            if error is not None:
-                waiter.set_exception(error)
-            else:
-                waiter.set_result(done.result())
-
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle)
-
-    _in_worker(fn, *args).add_done_callback(deliver)
-    return await waiter
-
-
-def call_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
-    """Carry out the protocol's :class:`RunPrecheck`: the tool's pre-check, or ``Unknown``
-    when the pre-check itself fails (fail closed: a question nobody answered never lets
-    a non-idempotent effect run again).
-
-    The pre-check runs in a daemon worker thread and is waited for at most the tool's
-    ``precheck_timeout``; past it the answer is ``Unknown("pre-check timed out after N
-    s")``, so the run goes on (a non-idempotent effect to a person) and ends, releasing its
-    thread lease. The hung thread cannot be killed: it stays until the pre-check returns,
-    and its late answer is dropped. ``precheck_timeout=None`` runs it inline, unbounded.
-    """
-    spec = ctx.spec
-    precheck = spec.precheck if spec is not None else None
-    assert spec is not None, "only side effects have a pre-check"
-    assert precheck is not None, "the protocol asks only tools that have a pre-check"
-    limit = spec.precheck_timeout
-    try:
-        if limit is None:
-            return precheck(request.key, request.args)
-        future = _in_worker(precheck, request.key, request.args)
-        try:
-            return future.result(timeout=limit)
-        except concurrent.futures.TimeoutError:
-            if future.done():
-                raise  # the pre-check's own TimeoutError
-            return _timed_out(limit)
-    except GraphBubbleUp:
-        raise
-    except Exception as exc:
-        # A pre-check that cannot answer is an unknown outcome: fail closed, never execute.
-        return Unknown(f"pre-check raised {type(exc).__name__}: {exc}")
-
-
-def _is_async(fn: Any) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
-    )
-
-
-async def acall_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
-    """Async form of :func:`call_precheck` (the pre-check may be a coroutine function).
-
-    A coroutine pre-check is awaited with ``asyncio.wait_for`` (cancelled at the limit); a
-    plain function runs in a daemon worker thread, as in :func:`call_precheck`, so that a
-    hung one blocks neither the event loop nor the run.
-    """
-    spec = ctx.spec
-    precheck = spec.precheck if spec is not None else None
-    assert spec is not None, "only side effects have a pre-check"
-    assert precheck is not None, "the protocol asks only tools that have a pre-check"
-    limit = spec.precheck_timeout
-    loop = asyncio.get_running_loop()
-    deadline = None if limit is None else loop.time() + limit
-    try:
-        if limit is None or _is_async(precheck):
-            answer = precheck(request.key, request.args)
-        else:
-            answer = await asyncio.wait_for(
-                _await_worker(precheck, request.key, request.args), limit
-            )
-        if not inspect.isawaitable(answer):
-            return answer
-        if deadline is None:
-            return await answer
-        return await asyncio.wait_for(answer, max(0.0, deadline - loop.time()))
-    except TimeoutError as exc:
-        if deadline is not None and loop.time() >= deadline:
-            return _timed_out(limit or 0.0)
-        return Unknown(f"pre-check raised {type(exc).__name__}: {exc}")
-    except GraphBubbleUp:
-        raise
-    except Exception as exc:
-        return Unknown(f"pre-check raised {type(exc).__name__}: {exc}")

@@ -19,14 +19,15 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command
 
 from taskpilots_graph import _clock
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
+from taskpilots_graph.engine._run import run_finished
 from taskpilots_graph.errors import ToolWaiting
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 from taskpilots_graph.failures import FailureKind
 from taskpilots_graph.nodes._context import RunContext, run_context
 from taskpilots_graph.nodes.executor import RecoveryExecutor, error_message, pending_calls
-from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
+from taskpilots_graph.recovery import Action, RecoveryDecision
 from taskpilots_graph.state import StepRecord
 
 __all__ = ["RecoveryRouter", "WaitNode", "describe", "fail_run"]
@@ -50,7 +51,10 @@ def describe(failure: Mapping[str, Any]) -> str:
 
 def _signature_count(record: StepRecord, signatures: Mapping[str, int]) -> int:
     failure = record.get("failure") or {}
-    prefix = f"{record.get('using')}|{failure.get('kind')}|{failure.get('error_type')}|"
+    signature = failure_signature(
+        record.get("using"), failure.get("kind"), failure.get("error_type")
+    )
+    prefix = signature + "|"  # the executor counts it per argument digest
     return max((n for sig, n in signatures.items() if sig.startswith(prefix)), default=1)
 
 
@@ -97,18 +101,16 @@ class RecoveryRouter:
                 continue
             failure = record.get("failure") or {}
             using = record.get("using") or call["name"]
-            policy = self.executor.policy(using)
-            tried = [*record.get("tried", []), using]
-            chain = self.executor.policy(call["name"]).fallback
-            next_fallback = next((t for t in chain if t not in tried), None)
-            decision = decide_recovery(
+            decision, tried = decide_next(
+                self.executor.policy,
+                tool=call["name"],
+                using=using,
+                tried=record.get("tried", []),
                 kind=FailureKind(failure.get("kind", FailureKind.TRANSIENT)),
-                policy=policy,
                 attempts=record.get("attempts", 1),
                 first_failed_at=record.get("first_failed_at") or now,
                 now=now,
                 retry_after=failure.get("retry_after"),
-                next_fallback=next_fallback,
                 signature_count=_signature_count(record, signatures),
                 rng=self.rng,
             )
@@ -157,13 +159,7 @@ class RecoveryRouter:
             "reason": decision.reason,
             "failure_kind": failure.get("kind"),
         }
-        if decision.action is Action.RETRY:
-            return [_event(ctx, EventKind.RETRY_SCHEDULED, retry_at=decision.retry_at, **base)]
-        if decision.action is Action.DEGRADE:
-            return [_event(ctx, EventKind.DEGRADED, fallback=decision.fallback, **base)]
-        events = []
-        if decision.stuck:
-            events.append(_event(ctx, EventKind.STUCK_DETECTED, **base))
+        events = transition_events(ctx.thread_id, ctx.graph_ns, decision, **base)
         if decision.action is Action.TAKEOVER:
             events.append(_event(ctx, EventKind.TAKEOVER_REQUESTED, **base))
         return events
@@ -296,7 +292,7 @@ def fail_run(checkpointer: RecoveryAPI) -> Any:
             )
             for c in calls
         ]
-        events = [_event(ctx, EventKind.AGENT_FINISHED, status=stage, reason=reason)]
+        events = [run_finished(ctx.thread_id, ctx.graph_ns, stage, reason=reason)]
         return {"messages": messages, "flow": {"stage": stage, "reason": reason}}, events
 
     def invoke(state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:

@@ -19,9 +19,7 @@ after them cannot apply a decision twice.
 
 from __future__ import annotations
 
-import getpass
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,10 +27,10 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command, interrupt
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import InvalidDecision
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import EventRecord
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.nodes._context import RunContext, run_context
 from taskpilots_graph.nodes.compensate import ABANDONED
@@ -189,24 +187,15 @@ class TakeoverNode:
         chosen = targets(state, decision)
         by_key = {e.key: e for e in ledger}
         now = datetime.now(UTC)
-        who = decision.decided_by or _user()
+        who = decided_by(decision)
         writes: list[tuple[LedgerEntry, LedgerEntry]] = []
         for record in chosen:
             entry = by_key.get(record.get("key") or "")
-            moved = _ledger_move(entry, decision, who, now) if entry is not None else None
+            moved = ledger_move(entry, decision, who, now) if entry is not None else None
             if entry is not None and moved is not None:
                 writes.append((entry, moved))
-        event = prepare_event(
-            ctx.thread_id,
-            EventKind.DECISION_RECORDED,
-            {
-                "decision": decision.model_dump(mode="json", exclude_none=True),
-                "decided_by": who,
-                "steps": [r.get("tool_call_id") for r in chosen],
-            },
-            checkpoint_id=None,
-            checkpoint_ns=ctx.graph_ns,
-        )
+        steps = [r.get("tool_call_id") for r in chosen]
+        event = decision_recorded(ctx.thread_id, ctx.graph_ns, decision, who, steps)
         return _command(state, decision, chosen), writes, [event]
 
     def _request(
@@ -261,46 +250,6 @@ class TakeoverNode:
             events = []
         await self.checkpointer.aappend_records(events)
         return command
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (containers)
-        return "unknown"
-
-
-def _ledger_move(
-    entry: LedgerEntry, decision: Decision, who: str, now: datetime
-) -> LedgerEntry | None:
-    """The entry after the decision, or ``None`` when it needs no change."""
-    if entry.status not in (LedgerStatus.UNCERTAIN, LedgerStatus.FAILED, LedgerStatus.INTENDED):
-        return None  # committed / compensated: the decision was applied already
-    action = decision.action
-    if action == "provide_result":
-        return replace(
-            entry,
-            status=LedgerStatus.COMMITTED,
-            result=decision.result,
-            error=None,
-            proof={"manual": True, "decided_by": who, "note": decision.note},
-            updated_at=now,
-        )
-    if action in ("abandon", "accept"):
-        return None
-    # retry: released for one more execution (not sent, so the ledger executes it);
-    # skip / edit_args: closed for good, the step goes on without this key.
-    reason = {"retry": "retry_approved", "skip": "skipped_by_person", "edit_args": "superseded"}
-    return replace(
-        entry,
-        status=LedgerStatus.FAILED,
-        error={
-            "type": reason[action],
-            "message": f"{action} decided by {who}",
-            "maybe_sent": action != "retry",
-        },
-        updated_at=now,
-    )
 
 
 def _command(

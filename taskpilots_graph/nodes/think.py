@@ -48,17 +48,23 @@ from langgraph.graph import END
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
-from taskpilots_graph.checkpointers._api import RecoveryAPI
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import close_dangling, valid_conversation
+from taskpilots_graph.engine._protocol import SUMMARY_CHARS
+from taskpilots_graph.engine._run import (
+    answer_text,
+    answered,
+    resume_context,
+    run_finished,
+    run_started,
+)
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import EventKind
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.ledger import LedgerEntry
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
-from taskpilots_graph.nodes._protocol import SUMMARY_CHARS
 from taskpilots_graph.policy import ModelPolicy
-from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, build_resume_prompt, resume_facts
+from taskpilots_graph.prompts.resume import DEFAULT_MAX_CHARS, RESUME_NAME, resume_message
 from taskpilots_graph.prompts.templates import Language
 from taskpilots_graph.window import (
     MemoryWindow,
@@ -237,12 +243,9 @@ class ThinkNode:
     ) -> tuple[list[EventRecord], Command[str] | None]:
         messages = state["messages"]
         events = []
-        if messages and isinstance(messages[-1], HumanMessage):
-            events.append(
-                self._event(
-                    ctx, EventKind.AGENT_STARTED, goal=str(messages[-1].content)[:SUMMARY_CHARS]
-                )
-            )
+        started = run_started(ctx.thread_id, ctx.graph_ns, messages)
+        if started is not None:
+            events.append(started)
         if _budget_used(state) >= self.max_steps:
             reason = f"stuck: {self.max_steps} model decisions in this turn without an answer"
             events.append(self._event(ctx, EventKind.STUCK_DETECTED, reason=reason))
@@ -283,33 +286,16 @@ class ThinkNode:
         ledger: Sequence[LedgerEntry],
         events: list[EventRecord],
     ) -> HumanMessage:
-        stale = float(marker.get("age") or 0) > self.resume.refresh_after
-        refreshed = (
-            {name: fn(state) for name, fn in self.resume.refreshers.items()} if stale else {}
-        )
-        facts = resume_facts({**state, "messages": messages}, ledger, refreshed=refreshed)
-        prompt = build_resume_prompt(
-            facts,
-            language=self.resume.language,
-            max_chars=self.resume.max_chars,
-            acknowledge=self.resume.acknowledge,
-        )
-        events.append(
-            self._event(
-                ctx,
-                EventKind.RESUME_CONTEXT,
-                context=prompt[:SUMMARY_CHARS],
-                refreshed=sorted(refreshed),
-            )
-        )
-        return HumanMessage(prompt, name="taskpilots_resume")
+        prompt, refreshed = resume_message(state, messages, ledger, marker, self.resume)
+        events.append(resume_context(ctx.thread_id, ctx.graph_ns, str(prompt.content), refreshed))
+        return prompt
 
     def _acknowledged(
         self, ctx: RunContext, ack: BaseMessage, events: list[EventRecord]
     ) -> list[BaseMessage]:
         text = str(ack.content)[:SUMMARY_CHARS]
         events.append(self._event(ctx, EventKind.LLM_DECIDED, acknowledgement=text))
-        return [AIMessage(text), HumanMessage("Continue.", name="taskpilots_resume")]
+        return [AIMessage(text), HumanMessage("Continue.", name=RESUME_NAME)]
 
     def _finish(
         self,
@@ -336,9 +322,8 @@ class ThinkNode:
         if ai.tool_calls:
             # Decisions with tool calls are logged by the act node with its first write.
             return Command(goto="act", update=update)
-        answer = str(ai.content)[:SUMMARY_CHARS]
-        events.append(self._event(ctx, EventKind.LLM_DECIDED, content=answer))
-        events.append(self._event(ctx, EventKind.AGENT_FINISHED, status="closed", answer=answer))
+        events.append(answered(ctx.thread_id, ctx.graph_ns, ai))
+        events.append(run_finished(ctx.thread_id, ctx.graph_ns, "closed", answer=answer_text(ai)))
         update["flow"] = {**update.get("flow", {}), "stage": "closed"}
         return Command(goto=END, update=update)
 

@@ -46,10 +46,11 @@ from langgraph.prebuilt import ToolNode as _LangGraphToolNode
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
+from taskpilots_graph._compat import task_checkpointer
 from taskpilots_graph.agent import DEFAULT_LEASE_TTL
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.locks.base import LeaseBackend
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.policy import ToolPolicy
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ToolNode"]
 
-_CHECKPOINTER_KEY = "__pregel_checkpointer"  # LangGraph hands every task its graph's saver
 _MAX_CHECKPOINTERS = 8
 
 Answer = ToolMessage | Command[Any]
@@ -171,7 +171,7 @@ class ToolNode(_LangGraphToolNode):
         """The middleware driving calls in the run of ``config`` (one per checkpointer)."""
         cp = self.checkpointer
         if cp is None:
-            found = (config.get("configurable") or {}).get(_CHECKPOINTER_KEY)
+            found = task_checkpointer(config)
             if not isinstance(found, RecoveryAPI):
                 raise ConfigurationError(
                     f"tp.ToolNode {self.name!r} keeps its side effects in the recovery "

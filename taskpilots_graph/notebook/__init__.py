@@ -2,8 +2,9 @@
 
 * :func:`timeline` / :func:`ledger_view` read a thread and return frozen views that a
   notebook shows as colour-coded, JavaScript-free HTML tables (plain text in ``repr``).
-  ``tp.RecoveryMetrics``, ``tp.Replay``, ``tp.ThreadInfo`` and ``tp.TakeoverRequest`` show
-  as HTML too.
+  ``RecoveryMetrics``, ``Replay``, ``ThreadInfo`` and ``TakeoverRequest`` show as HTML
+  too: importing this package registers their views (:mod:`taskpilots_graph.reprs`), and in
+  IPython ``import taskpilots_graph`` alone is enough.
 * :func:`plot_timeline` / :func:`plot_batch` draw a run's recovery and a batch's metrics
   with matplotlib (the ``notebooks`` extra), returning a figure.
 * :func:`takeover_widget` shows a pending takeover with one button per option
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from taskpilots_graph.notebook.html import VIEWS
 from taskpilots_graph.notebook.timeline import (
     LedgerView,
     Timeline,
@@ -29,6 +31,7 @@ from taskpilots_graph.notebook.timeline import (
     ledger_view,
     timeline,
 )
+from taskpilots_graph.reprs import register_html
 
 if TYPE_CHECKING:
     from taskpilots_graph.notebook.plots import (
@@ -39,6 +42,16 @@ if TYPE_CHECKING:
         plot_timeline,
     )
     from taskpilots_graph.notebook.widget import TakeoverWidget, takeover_widget
+
+
+def _register_views() -> None:
+    # The run objects of the domain modules show as these tables (their ``_repr_html_``):
+    # the domain modules know the registry of taskpilots_graph.reprs, never this package.
+    for type_name, render in VIEWS.items():
+        register_html(type_name, render)
+
+
+_register_views()
 
 # Optional dependencies: matplotlib for the plots, ipywidgets for the widget.
 _LAZY = {

@@ -12,7 +12,7 @@ The module is I/O free; :mod:`taskpilots_graph.notebook.timeline` reads the stor
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from html import escape
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STEP_STATES",
     "STYLE",
+    "VIEWS",
     "ledger_html",
     "metrics_html",
     "replay_html",
@@ -538,3 +539,12 @@ def thread_html(info: ThreadInfo) -> str:
         ),
     ]
     return _view("tp-thread", f"Thread {info.thread_id!r}", _pairs(pairs, "tp-thread-table"))
+
+
+VIEWS: Mapping[str, Callable[[Any], str]] = {
+    "taskpilots_graph.metrics.RecoveryMetrics": metrics_html,
+    "taskpilots_graph.replay.Replay": replay_html,
+    "taskpilots_graph.takeover.TakeoverRequest": takeover_html,
+    "taskpilots_graph.threads.ThreadInfo": thread_html,
+}
+"""The HTML view of each run object, by qualified type name (registered on import)."""

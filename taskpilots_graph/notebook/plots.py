@@ -26,10 +26,11 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from taskpilots_graph._thread_index import thread_ids as store_thread_ids
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.metrics import RecoveryMetrics, recovery_metrics
 from taskpilots_graph.replay import ReplayStep
-from taskpilots_graph.threads import recovery_api, scan_thread_ids
+from taskpilots_graph.threads import recovery_api
 
 __all__ = [
     "batch_close_times",
@@ -278,7 +279,7 @@ def batch_close_times(
 ) -> list[float]:
     """:func:`close_times` of the store's threads (or of the threads named)."""
     cp = recovery_api(checkpointer)
-    ids = list(thread_ids) if thread_ids is not None else scan_thread_ids(cp)
+    ids = list(thread_ids) if thread_ids is not None else store_thread_ids(cp)
     return close_times({t: cp.events(t) for t in dict.fromkeys(ids)})
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import ipywidgets  # type: ignore[import-untyped]
 from langgraph.pregel import Pregel
 
+from taskpilots_graph.decisions import decide
 from taskpilots_graph.errors import InvalidDecision, TaskPilotsError
 from taskpilots_graph.notebook.html import takeover_html
-from taskpilots_graph.runner import decide
 from taskpilots_graph.takeover import Decision, TakeoverRequest
 
 __all__ = ["TakeoverWidget", "takeover_widget"]

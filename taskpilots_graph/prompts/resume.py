@@ -17,18 +17,45 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.prompts.templates import TEMPLATES, Language
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.window import folded_done
 
-__all__ = ["DEFAULT_MAX_CHARS", "ResumeFacts", "build_resume_prompt", "resume_facts"]
+__all__ = [
+    "DEFAULT_MAX_CHARS",
+    "RESUME_NAME",
+    "ResumeFacts",
+    "build_resume_prompt",
+    "conversation_steps",
+    "resume_facts",
+    "resume_message",
+]
+
+RESUME_NAME = "taskpilots_resume"
+"""The ``name`` of the messages a resumed run puts in front of the model (never stored)."""
+
+
+class ResumeSettings(Protocol):
+    """How the resume prompt is written (``tp.ResumeContext`` is one)."""
+
+    @property
+    def language(self) -> Language: ...
+    @property
+    def max_chars(self) -> int: ...
+    @property
+    def refreshers(self) -> Mapping[str, Callable[[Mapping[str, Any]], Any]]: ...
+    @property
+    def refresh_after(self) -> float: ...
+    @property
+    def acknowledge(self) -> bool: ...
+
 
 DEFAULT_MAX_CHARS = 6000
 """About 1,500 tokens."""
@@ -227,3 +254,67 @@ def _fit(lines: list[str], budget: int, more: Any, *, always: bool = False) -> l
         if not kept:
             return []
         used -= len(kept.pop()) + 1
+
+
+def resume_message(
+    state: Mapping[str, Any],
+    messages: Sequence[BaseMessage],
+    ledger: Sequence[LedgerEntry],
+    marker: Mapping[str, Any],
+    settings: ResumeSettings,
+) -> tuple[HumanMessage, list[str]]:
+    """The resume prompt of a resumed run, as the message its next model call gets, and the
+    refreshers that ran for it (both agent forms give the model this same message).
+
+    A state without the recovery agent's ``steps`` channel (``create_agent``) gets its steps
+    from the conversation (:func:`conversation_steps`).
+
+    Args:
+        state: The thread's state (the refreshers read it).
+        messages: The conversation the model is about to get (tool calls left without an
+            answer already closed).
+        ledger: The thread's ledger entries.
+        marker: The resume marker of the run's config (``age``: how long it was paused).
+        settings: Language, budget, refreshers and acknowledgement of the prompt.
+    """
+    stale = float(marker.get("age") or 0) > settings.refresh_after
+    refreshed = {name: fn(state) for name, fn in settings.refreshers.items()} if stale else {}
+    view = {**state, "messages": messages}
+    if "steps" not in state:
+        view["steps"] = conversation_steps(messages)
+    facts = resume_facts(view, ledger, refreshed=refreshed)
+    prompt = build_resume_prompt(
+        facts,
+        language=settings.language,
+        max_chars=settings.max_chars,
+        acknowledge=settings.acknowledge,
+    )
+    return HumanMessage(prompt, name=RESUME_NAME), sorted(refreshed)
+
+
+def conversation_steps(messages: Sequence[BaseMessage]) -> dict[str, StepRecord]:
+    """The steps of the tool calls answered in ``messages``, in the order of the answers:
+    what the recovery agent's ``steps`` channel holds, for a graph that keeps only the
+    conversation. An error answer (a failure, a person's skip) is a step that failed."""
+    calls = {
+        call["id"]: call
+        for m in messages
+        if isinstance(m, AIMessage)
+        for call in m.tool_calls
+        if call["id"]
+    }
+    steps: dict[str, StepRecord] = {}
+    for m in messages:
+        call = calls.get(m.tool_call_id) if isinstance(m, ToolMessage) else None
+        if call is None or not isinstance(m, ToolMessage):
+            continue
+        failed = m.status == "error"
+        steps[m.tool_call_id] = {
+            "tool_call_id": m.tool_call_id,
+            "tool": call["name"],
+            "args": dict(call["args"]),
+            "status": "closed",
+            "failure": {"message": _short(m.content, 400)} if failed else None,
+            "result": str(m.content),
+        }
+    return steps

@@ -35,14 +35,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.decisions import pending_takeovers
 from taskpilots_graph.errors import ConfigurationError, InvalidDecision, ThreadNotFound
 from taskpilots_graph.ledger import PAUSED, LedgerEntry, LedgerStatus
 from taskpilots_graph.recovery_map import RecoveryMap, recovery_map
 from taskpilots_graph.replay import replay
-from taskpilots_graph.runner import pending_takeovers
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 from taskpilots_graph.threads import recovery_api, thread_info
+from taskpilots_graph.tool_tables import graph_tools
 from taskpilots_graph.web.chart import map_svg
 from taskpilots_graph.web.jobs import DecisionJobs
 from taskpilots_graph.web.security import (
@@ -56,7 +57,6 @@ from taskpilots_graph.web.view import (
     RISK_ORDER,
     TakeoverView,
     failed_steps,
-    graph_tools,
     outcome_of,
     takeover_view,
 )

@@ -109,7 +109,7 @@ def map_svg(rmap: RecoveryMap) -> str:
     """The recovery map as a standalone SVG document (no script, every label escaped).
 
     Example:
-        >>> svg = map_svg(tp.recovery_map(graph))  # doctest: +SKIP
+        >>> svg = map_svg(recovery_map(graph))  # doctest: +SKIP
     """
     parts: list[str] = []
     top = _PAD + 24

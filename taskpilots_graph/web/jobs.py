@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from langgraph.pregel import Pregel
 
+from taskpilots_graph.decisions import decide
 from taskpilots_graph.errors import StaleDecision, TaskPilotsError, ToolWaiting
-from taskpilots_graph.runner import decide
 from taskpilots_graph.takeover import Decision
 from taskpilots_graph.threads import recovery_api, thread_info
 from taskpilots_graph.web.view import outcome_of

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 from langchain_core.tools import BaseTool
 
-from taskpilots_graph.agent import find_executor
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, SideEffectSpec
 from taskpilots_graph.takeover import TakeoverRequest
@@ -37,7 +36,6 @@ __all__ = [
     "Risk",
     "TakeoverView",
     "failed_steps",
-    "graph_tools",
     "outcome_of",
     "takeover_view",
     "verify_hint",
@@ -150,19 +148,6 @@ class Outcome:
     label: str
     not_undone: tuple[tuple[str, str], ...] = ()
     uncertain: tuple[tuple[str, str], ...] = ()
-
-
-def graph_tools(graph: Any) -> dict[str, BaseTool]:
-    """The tools of a recovery agent, or of a graph with a tool node (``create_agent``)."""
-    executor = find_executor(graph)
-    if executor is not None:
-        return dict(executor.tools)
-    found: dict[str, BaseTool] = {}
-    for node in getattr(graph, "nodes", {}).values():
-        by_name = getattr(getattr(node, "bound", None), "tools_by_name", None)
-        if isinstance(by_name, Mapping):
-            found.update({str(k): v for k, v in by_name.items() if isinstance(v, BaseTool)})
-    return found
 
 
 def verify_hint(tool: BaseTool | None) -> str | None:

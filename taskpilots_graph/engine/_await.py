@@ -1,4 +1,4 @@
-"""Carrying out the protocol's :class:`~taskpilots_graph.nodes._protocol.AwaitOwner`.
+"""Carrying out the protocol's :class:`~taskpilots_graph.engine._protocol.AwaitOwner`.
 
 An ``intended`` ledger entry is either an orphan (its writer crashed: reconcile it) or the
 footprint of a call running right now in another runner (a business key shared by two
@@ -19,16 +19,16 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from taskpilots_graph.engine._protocol import Awaited, AwaitOwner, in_flight
 from taskpilots_graph.guard import held_here
-from taskpilots_graph.ledger import LedgerEntry, runner_of
-from taskpilots_graph.locks.base import (
+from taskpilots_graph.leases import (
     Lease,
     LeaseBackend,
     holder_died,
     poll_delay,
     thread_lease_name,
 )
-from taskpilots_graph.nodes._protocol import Awaited, AwaitOwner, in_flight
+from taskpilots_graph.ledger import LedgerEntry, runner_of
 
 __all__ = ["aawait_owner", "await_owner"]
 

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from taskpilots_graph.guard import held_here
+from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks.base import LeaseBackend
 from taskpilots_graph.locks.hold import abusiness_lock, business_lock
 from taskpilots_graph.tools import Invocation
 

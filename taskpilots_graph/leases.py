@@ -11,13 +11,19 @@ gets a *fencing token* that is strictly greater than every token handed out for 
 before; a resource that remembers the highest token it has seen can refuse the late writer.
 
 Everything here is pure: validation, names, the acquire / renew / release decisions for
-stores that read a row and write it back (memory, SQLite), and :class:`HoldStatus`, the state
-machine a holder's heartbeat drives. The backends and the sync / async holders are thin
-drivers around it.
+stores that read a row and write it back (memory, SQLite), :class:`HoldStatus`, the state
+machine a holder's heartbeat drives, and which thread lease the current run holds. The
+backends and the sync / async holders of :mod:`taskpilots_graph.locks` are thin drivers
+around it.
+
+This module sits below both the checkpointers (whose stores keep the leases of the embedded
+backends and which ask which thread the current run holds) and the lock package (whose
+backends use those stores), so neither of the two imports the other for these names.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import math
 import os
@@ -26,7 +32,7 @@ import secrets
 import socket
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Final, Protocol, Self
+from typing import Any, Final, Protocol, Self
 
 from taskpilots_graph.errors import ConfigurationError, ThreadBusy
 
@@ -35,6 +41,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_TTL_S",
     "MIN_TTL_S",
+    "THREAD_HOLD",
     "THREAD_LEASE_PREFIX",
     "HoldStatus",
     "Lease",
@@ -46,6 +53,7 @@ __all__ = [
     "current_lease",
     "extend",
     "grant",
+    "held_thread_lease",
     "holder_died",
     "local_deadline",
     "new_owner",
@@ -445,3 +453,25 @@ def poll_delay(attempt: int, remaining: float | None) -> float:
     """
     delay = min(0.5, 0.02 * 2.0 ** min(attempt, 10)) * random.uniform(0.5, 1.0)
     return delay if remaining is None else max(0.0, min(delay, remaining))
+
+
+# --- the thread lease of the current run ------------------------------------------------------
+
+THREAD_HOLD: Final[contextvars.ContextVar[Any]] = contextvars.ContextVar(
+    "taskpilots_thread_hold", default=None
+)
+"""The ``Hold`` / ``AsyncHold`` of the thread lease the current run holds, or ``None``.
+
+Set by the runners through :func:`taskpilots_graph.locks.set_thread_hold`, which with
+:func:`~taskpilots_graph.locks.current_thread_hold` gives it its type; typed loosely here
+because the holder classes live above this module."""
+
+
+def held_thread_lease(thread_id: str) -> object | None:
+    """The current run's hold of ``thread:<thread_id>``, if this context holds that lease.
+
+    Its identity names the run's tenure of the thread (the recovery store keys per-tenure
+    memos on it).
+    """
+    held = THREAD_HOLD.get()
+    return held if held is not None and held.name == thread_lease_name(thread_id) else None

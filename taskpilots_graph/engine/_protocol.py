@@ -1,9 +1,10 @@
 """The ledger protocol for one tool call, as an I/O-free generator.
 
 The generator yields *requests* (read an entry, write an entry with its event, run the
-pre-check, run the tool) and receives their answers; the sync and async executors are thin
-loops that carry the requests out. This keeps one copy of the rules for both drivers, and
-lets tests drive the protocol step by step.
+pre-check, run the tool) and receives their answers; the drivers of :mod:`._sync` and
+:mod:`._async` carry the requests out for both agent forms, the undo of an effect and the
+settling of an orphan. This keeps one copy of the rules, and lets tests drive the protocol
+step by step.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from __future__ import annotations
 import json
 import platform
 import socket
-from collections.abc import Generator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeGuard
 
 from langgraph.errors import GraphBubbleUp
 
 from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
-from taskpilots_graph.checkpointers.base import EventRecord, prepare_event
 from taskpilots_graph.drift import (
-    Comparator,
     brief_value,
     detect_drift,
     is_placeholder,
@@ -29,15 +28,18 @@ from taskpilots_graph.drift import (
     result_digest,
     unserialisable,
 )
+from taskpilots_graph.engine._call import CallContext
 from taskpilots_graph.errors import (
     ConfigurationError,
     EffectInProgress,
     LedgerConflict,
+    LockBackendUnavailable,
     PrecheckError,
     ResultDrifted,
+    ThreadBusy,
 )
-from taskpilots_graph.events import EventKind
-from taskpilots_graph.failures import Failure, Rule, classify, failure_payload
+from taskpilots_graph.events import Event, EventKind, EventRecord, prepare_event
+from taskpilots_graph.failures import Failure, classify, failure_payload
 from taskpilots_graph.ledger import (
     PAUSED,
     RUNNER,
@@ -47,7 +49,6 @@ from taskpilots_graph.ledger import (
     LedgerStatus,
     NotDone,
     PrecheckOutcome,
-    SideEffectSpec,
     SideEffectUncertain,
     Step,
     Unknown,
@@ -64,6 +65,7 @@ __all__ = [
     "CallContext",
     "CallOutcome",
     "CheckArgs",
+    "FindPrevious",
     "FindRepeat",
     "Protocol",
     "ReadEntry",
@@ -72,7 +74,7 @@ __all__ = [
     "WriteEntry",
     "WriteEvent",
     "in_flight",
-    "lock_refused",
+    "latest_successes",
     "may_have_reached_service",
     "repeat_note",
     "run_call",
@@ -133,29 +135,6 @@ def may_have_reached_service(
 
 
 @dataclass(frozen=True, slots=True)
-class CallContext:
-    """Everything the protocol needs to know about one tool call."""
-
-    thread_id: str
-    checkpoint_ns: str
-    tool: str
-    args: Mapping[str, Any]
-    tool_call_id: str | None
-    spec: SideEffectSpec | None
-    key: str
-    rules: tuple[Rule, ...] = ()
-    confirm_drift: bool = False  # a different result on a repeated call stops for a person
-    drift_comparator: Comparator | None = None
-    previous: Mapping[str, Any] | None = None  # the call's earlier ``tool_succeeded`` payload
-    attempt: int = 1  # of a pure tool in its step (side effects count theirs in the ledger)
-
-    @property
-    def keeps_value(self) -> bool:
-        """Whether the result's value goes into its event (a comparator will need it)."""
-        return self.confirm_drift or self.drift_comparator is not None
-
-
-@dataclass(frozen=True, slots=True)
 class CallOutcome:
     """How a call ended: a result (fresh or recorded), or the tool's exception classified."""
 
@@ -164,6 +143,7 @@ class CallOutcome:
     failure: Failure | None = None
     replayed: bool = False
     repeat_of: str | None = None  # the key of the committed effect a caught repeat returned
+    refused: bool = False  # the business lock could not be taken: nothing was written or run
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +176,34 @@ class ReadEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class FindPrevious:
+    """The ``tool_succeeded`` payload of the call's latest earlier execution, or ``None``
+    (asked before a call that may have run before, to compare its result: drift)."""
+
+    thread_id: str
+    key: str
+    tool_call_id: str | None
+
+
+def latest_successes(events: Iterable[Event]) -> dict[tuple[Any, Any], Mapping[str, Any]]:
+    """The latest ``tool_succeeded`` payload of each (key, tool-call id) in ``events``."""
+    latest: dict[tuple[Any, Any], Mapping[str, Any]] = {}
+    for event in events:
+        if event.kind is EventKind.TOOL_SUCCEEDED and not event.superseded:
+            latest[(event.payload.get("key"), event.payload.get("tool_call_id"))] = event.payload
+    return latest
+
+
+@dataclass(frozen=True, slots=True)
 class WriteEntry:
     """Write the entry and its event durably, together with any events buffered so far."""
 
     entry: LedgerEntry
     expect: tuple[LedgerStatus, int] | None
     event: EventRecord
+    may_ride: bool = False
+    """A commit whose loss the tool settles itself (idempotent, or with a pre-check): it
+    may be written in the transaction of its task's ``put_writes`` instead of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,13 +215,20 @@ class WriteEvent:
 
 @dataclass(frozen=True, slots=True)
 class RunPrecheck:
+    """Ask the call's pre-check about its key (``call``: whose spec holds the pre-check)."""
+
     key: str
     args: dict[str, Any]
+    call: CallContext | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class RunTool:
+    """Run the tool; ``effect``: a side effect, whose thread lease and business lock are
+    checked just before it runs."""
+
     invocation: Invocation
+    effect: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +265,7 @@ class Awaited:
 Request = (
     CheckArgs
     | FindRepeat
+    | FindPrevious
     | ReadEntry
     | AwaitOwner
     | WriteEntry
@@ -499,7 +509,7 @@ def _pure_call(ctx: CallContext) -> Protocol:
     inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
     yield WriteEvent(_event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt))
     try:
-        result = yield RunTool(inv)
+        result = yield RunTool(inv, effect=False)
     except GraphBubbleUp:
         raise  # an interrupt inside the tool: LangGraph control flow, not a failure
     except Exception as exc:
@@ -561,7 +571,7 @@ def _ask_precheck(
     assert ctx.spec is not None
     if ctx.spec.precheck is None:
         return None
-    outcome = yield RunPrecheck(ctx.key, dict(ctx.args))
+    outcome = yield RunPrecheck(ctx.key, dict(ctx.args), ctx)
     if not isinstance(outcome, Done | NotDone | Unknown):
         return PrecheckError(ctx.tool, outcome)
     return outcome
@@ -694,6 +704,7 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
             created_at=now,
             updated_at=now,
             lock=ctx.spec.lock(dict(ctx.args)) if ctx.spec and ctx.spec.lock else None,
+            extra=dict(ctx.extra or {}),
         )
         expect = None
     else:
@@ -713,6 +724,13 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         if expect is not None:
             raise  # another run moved an entry we had read: stop, never execute twice
         return _EXISTS
+    except (LockBackendUnavailable, ThreadBusy) as exc:
+        # The driver could not take the call's business lock: nothing written, nothing run,
+        # nothing sent. Classified like any failure (an unreachable backend is an outage, a
+        # lock held elsewhere transient), so the router waits or escalates per policy.
+        failure = classify(exc, ctx.rules)
+        yield WriteEvent(_failed_event(ctx, failure, False, attempt))
+        return CallOutcome(error=exc, failure=failure, refused=True)
     inv = Invocation(ctx.key, attempt, ctx.thread_id, ctx.tool_call_id, ctx.tool)
     try:
         result = yield RunTool(inv)
@@ -740,7 +758,13 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
     )
     succeeded = _event(ctx, EventKind.TOOL_SUCCEEDED, attempt=attempt, **_success(ctx, result))
     try:
-        yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded)
+        # A lost commit of an idempotent tool or one with a pre-check is settled on resume
+        # (re-run, or asked), so it may ride its task's writes instead of costing a commit.
+        # Not under a business lock: the lock is released when the call ends, and the next
+        # holder (another thread, maybe another process) must find the effect committed.
+        settles = ctx.spec is not None and (ctx.spec.idempotent or ctx.spec.precheck is not None)
+        settles = settles and not committed.lock
+        yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded, may_ride=settles)
     except LedgerConflict as exc:
         # Our call did run: say so, the entry's other writer must not be told otherwise.
         raise LedgerConflict(ctx.key, performed=True) from exc
@@ -772,19 +796,6 @@ def _runner_extra(entry: LedgerEntry, thread_id: str) -> dict[str, Any]:
     if thread_id != entry.thread_id:
         extra[RUNNER] = thread_id
     return extra
-
-
-def lock_refused(
-    ctx: CallContext, exc: BaseException, attempt: int
-) -> tuple[EventRecord, CallOutcome]:
-    """A side effect that did not run because its business lock could not be taken.
-
-    Nothing was sent (``maybe_sent`` is false) and the ledger entry is left as it was; the
-    failure is classified like any other (an unreachable backend is ``EXTERNAL_OUTAGE``, a
-    lock held elsewhere ``TRANSIENT``), so the router waits or escalates per policy.
-    """
-    failure = classify(exc, ctx.rules)
-    return _failed_event(ctx, failure, False, attempt), CallOutcome(error=exc, failure=failure)
 
 
 def _uncertain(ctx: CallContext, reason: str) -> SideEffectUncertain:

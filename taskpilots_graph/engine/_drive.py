@@ -1,0 +1,258 @@
+"""The one sync and the one async driver of the ledger protocol's requests.
+
+They serve every caller (the executor, ``RecoveryMiddleware``, an undo, an orphan intent):
+ledger reads and writes (a write carries the events buffered before it), the wait for a
+live intent's owner, the pre-check and the tool, with the call's thread lease and business
+lock (:class:`~._locks.CallLocks`). Callers differ only in ``run_tool``, ``check_args``
+and the requests of their own (``other``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from langgraph._internal._constants import CONFIG_KEY_DURABILITY, CONFIG_KEY_TASK_ID
+from langgraph.config import get_config
+
+from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine._await import aawait_owner, await_owner
+from taskpilots_graph.engine._locks import CallLocks
+from taskpilots_graph.engine._precheck import acall_precheck, call_precheck
+from taskpilots_graph.engine._protocol import (
+    AwaitOwner,
+    CheckArgs,
+    FindPrevious,
+    FindRepeat,
+    ReadEntry,
+    RunPrecheck,
+    RunTool,
+    WriteEntry,
+    WriteEvent,
+    latest_successes,
+)
+from taskpilots_graph.errors import ConfigurationError, LedgerConflict
+from taskpilots_graph.events import EventRecord
+from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.tools import reset_invocation, set_invocation
+
+__all__ = ["AsyncDriver", "Driver", "LeaseOwner"]
+
+T = TypeVar("T")
+_LOCAL = object()  # marker: the request needs I/O
+
+
+class LeaseOwner:
+    """Where an adapter's thread leases and business locks live: the backend named with
+    ``leases=``, else the checkpointer's own database (so ``lock=`` is always enforced)."""
+
+    checkpointer: RecoveryAPI
+    leases: LeaseBackend | None
+    lease_ttl: float
+
+    def _set_leases(self, leases: LeaseBackend | None, lease_ttl: float) -> None:
+        if not isinstance(lease_ttl, int | float) or not math.isfinite(lease_ttl) or lease_ttl <= 0:
+            raise ConfigurationError(f"lease_ttl must be a positive number, got {lease_ttl!r}")
+        self.leases, self.lease_ttl = leases, float(lease_ttl)
+
+    def lease_backend(self) -> LeaseBackend:
+        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
+
+    async def alease_backend(self) -> LeaseBackend:
+        """Async form of :meth:`lease_backend`."""
+        return self.leases if self.leases is not None else await self.checkpointer.alease_backend()
+
+
+def _task_id() -> str | None:
+    """The LangGraph task this call runs in (its put_writes can carry a commit); ``None``
+    outside a task, or where put_writes are not written per task (``durability="exit"``)."""
+    try:
+        configurable = get_config().get("configurable", {})
+    except RuntimeError:  # not inside a graph's task
+        return None
+    task_id = configurable.get(CONFIG_KEY_TASK_ID)
+    if not isinstance(task_id, str) or not task_id:
+        return None
+    return None if configurable.get(CONFIG_KEY_DURABILITY) == "exit" else task_id
+
+
+def _held(cp: RecoveryAPI, request: WriteEntry, events: list[EventRecord]) -> bool:
+    """Whether a commit that may ride was handed to the checkpointer for its task's
+    put_writes (see ``RecoveryAPI.hold_commit``) instead of being written now."""
+    if not request.may_ride or (task_id := _task_id()) is None:
+        return False
+    return cp.hold_commit(request.entry, expect=request.expect, events=events, task_id=task_id)
+
+
+@dataclass
+class _Carrier:
+    """What both drivers share; ``pending`` holds the events that wait for the next durable
+    write, shared with the caller, who flushes what is left when the call ends."""
+
+    cp: RecoveryAPI
+    thread_id: str
+    backend: Callable[[], Any]  # the lease backend (async driver: a coroutine function)
+    ttl: float
+    run_tool: Callable[[RunTool], Any] | None  # None: the caller's protocol runs no tool
+    check_args: Callable[[dict[str, Any]], object] | None = None
+    other: Callable[[Any], Any] | None = None  # the caller's own requests
+    pending: list[EventRecord] = field(default_factory=list)
+
+    def _guarded(self, request: Any, locks: CallLocks) -> Any:
+        # Before the try of the loop: a lost lease stops the run before the effect; it is no
+        # failure of the tool, and the protocol must not record it as one.
+        if isinstance(request, RunTool) and request.effect:
+            return replace(request, invocation=locks.before_call(request.invocation))
+        return request
+
+    def _local(self, request: Any) -> Any:
+        """The answer to a request that needs no I/O, else ``_LOCAL``."""
+        if isinstance(request, CheckArgs):
+            return None if self.check_args is None else self.check_args(request.args)
+        if isinstance(request, WriteEvent):
+            self.pending.append(request.event)
+            return None
+        return _LOCAL
+
+    def _batch(self, request: WriteEntry) -> list[EventRecord]:
+        events = [*self.pending, request.event]
+        self.pending.clear()
+        return events
+
+    def _keep(self, events: list[EventRecord]) -> None:
+        self.pending[:0] = events[:-1]  # nothing was written: the events wait for the next
+
+
+@dataclass
+class Driver(_Carrier):
+    """Carries out one call's requests synchronously (see the module)."""
+
+    def drive(self, gen: Generator[Any, Any, T]) -> T:
+        """Run ``gen`` to its end; each answer (or error) of a request is sent back into it."""
+        locks = CallLocks(self.thread_id, self.ttl)
+        value: Any = None
+        thrown: BaseException | None = None
+        with contextlib.ExitStack() as held:
+            while True:
+                try:
+                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+                value, thrown = None, None
+                request = self._guarded(request, locks)
+                try:
+                    if isinstance(request, WriteEntry):
+                        entry = locks.before_write(request.entry, self.backend, held)
+                        value = self._write(replace(request, entry=entry))
+                    else:
+                        value = self._carry(request)
+                except Exception as exc:  # the protocol lets LangGraph control flow through
+                    thrown = exc
+
+    def _write(self, request: WriteEntry) -> Any:
+        events = self._batch(request)
+        if _held(self.cp, request, events):
+            return []
+        try:
+            return self.cp.write_ledger(request.entry, expect=request.expect, events=events)
+        except LedgerConflict:
+            self._keep(events)
+            raise
+
+    def _carry(self, request: Any) -> Any:
+        if (local := self._local(request)) is not _LOCAL:
+            return local
+        cp = self.cp
+        if isinstance(request, RunTool):
+            assert self.run_tool is not None, "this caller's protocol runs no tool"
+            token = set_invocation(request.invocation)
+            try:
+                return self.run_tool(request)
+            finally:
+                reset_invocation(token)
+        if isinstance(request, FindRepeat):
+            return cp.committed_effect(request.thread_id, request.tool, request.args_digest)
+        if isinstance(request, FindPrevious):
+            latest = latest_successes(cp.events(request.thread_id))
+            return latest.get((request.key, request.tool_call_id))
+        if isinstance(request, ReadEntry):
+            return cp.ledger_entry(request.key)
+        if isinstance(request, AwaitOwner):
+            return await_owner(
+                request, backend=self.backend(), read=cp.ledger_entry, timeout=self.ttl
+            )
+        if isinstance(request, RunPrecheck):
+            assert request.call is not None, "the protocol names the call it asks about"
+            return call_precheck(request.call, request)
+        assert self.other is not None, f"unexpected request {request!r}"
+        return self.other(request)
+
+
+@dataclass
+class AsyncDriver(_Carrier):
+    """Carries out one call's requests asynchronously (see the module)."""
+
+    async def drive(self, gen: Generator[Any, Any, T]) -> T:
+        """Async form of :meth:`Driver.drive`."""
+        locks = CallLocks(self.thread_id, self.ttl)
+        value: Any = None
+        thrown: BaseException | None = None
+        async with contextlib.AsyncExitStack() as held:
+            while True:
+                try:
+                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+                value, thrown = None, None
+                request = self._guarded(request, locks)
+                try:
+                    if isinstance(request, WriteEntry):
+                        entry = await locks.abefore_write(request.entry, self.backend, held)
+                        value = await self._write(replace(request, entry=entry))
+                    else:
+                        value = await self._carry(request)
+                except Exception as exc:
+                    thrown = exc
+
+    async def _write(self, request: WriteEntry) -> Any:
+        # No commit is held here: the saver's async put_writes carry none (see
+        # ``RecoveryAPI.hold_commit``).
+        events = self._batch(request)
+        try:
+            return await self.cp.awrite_ledger(request.entry, expect=request.expect, events=events)
+        except LedgerConflict:
+            self._keep(events)
+            raise
+
+    async def _carry(self, request: Any) -> Any:
+        if (local := self._local(request)) is not _LOCAL:
+            return local
+        cp = self.cp
+        if isinstance(request, RunTool):
+            assert self.run_tool is not None, "this caller's protocol runs no tool"
+            token = set_invocation(request.invocation)
+            try:
+                return await self.run_tool(request)
+            finally:
+                reset_invocation(token)
+        if isinstance(request, FindRepeat):
+            return await cp.acommitted_effect(request.thread_id, request.tool, request.args_digest)
+        if isinstance(request, FindPrevious):
+            latest = latest_successes(await cp.aevents(request.thread_id))
+            return latest.get((request.key, request.tool_call_id))
+        if isinstance(request, ReadEntry):
+            return await cp.aledger_entry(request.key)
+        if isinstance(request, AwaitOwner):
+            return await aawait_owner(
+                request, backend=await self.backend(), read=cp.aledger_entry, timeout=self.ttl
+            )
+        if isinstance(request, RunPrecheck):
+            assert request.call is not None, "the protocol names the call it asks about"
+            return await acall_precheck(request.call, request)
+        assert self.other is not None, f"unexpected request {request!r}"
+        return await self.other(request)
