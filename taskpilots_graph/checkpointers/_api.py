@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -30,8 +30,6 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
 )
 
-from taskpilots_graph.checkpointers import _optional as optional
-from taskpilots_graph.checkpointers import retention
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
 from taskpilots_graph.checkpointers.artifacts import (
     ARTIFACTS_TABLE,
@@ -44,7 +42,6 @@ from taskpilots_graph.checkpointers.artifacts import (
 from taskpilots_graph.checkpointers.base import DecisionRecord, HeldCommit, PendingRecord
 from taskpilots_graph.checkpointers.density import CheckpointDensity, HeldCheckpoints
 from taskpilots_graph.checkpointers.messages import riding
-from taskpilots_graph.checkpointers.retention import Keep, PruneReport
 from taskpilots_graph.compaction import (
     DEFAULT_KEY_FIELDS,
     DEFAULT_PROTECTED_KINDS,
@@ -61,6 +58,11 @@ from taskpilots_graph.events import (
 )
 from taskpilots_graph.leases import LeaseBackend, held_thread_lease
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
+
+# ``retention`` and ``_optional`` (copy, prune, sweep, delete by run) are imported where
+# they are used: they load aiosqlite's async saver and more, which a run never needs.
+if TYPE_CHECKING:
+    from taskpilots_graph.checkpointers.retention import Keep, PruneReport
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
 
@@ -891,6 +893,8 @@ class RecoveryAPI(DelegatingSaver):
             ConfigurationError: For an unknown ``keep`` or ``strategy``, or
                 ``strategy="keep_latest"`` on a thread that uses a ``DeltaChannel``.
         """
+        from taskpilots_graph.checkpointers import retention
+
         if strategy is not None:
             return retention.prune_strategy(self, thread_ids, strategy)
         return retention.prune(self, thread_ids, keep=keep, leases=leases)
@@ -904,6 +908,8 @@ class RecoveryAPI(DelegatingSaver):
         strategy: str | None = None,
     ) -> PruneReport:
         """Async form of :meth:`prune`."""
+        from taskpilots_graph.checkpointers import retention
+
         if strategy is not None:
             return await retention.aprune_strategy(self, thread_ids, strategy)
         return await retention.aprune(self, thread_ids, keep=keep, leases=leases)
@@ -923,10 +929,14 @@ class RecoveryAPI(DelegatingSaver):
             ConfigurationError: The target already has checkpoints or recovery records, or
                 is the source, or a thread id no backend stores.
         """
+        from taskpilots_graph.checkpointers import _optional as optional
+
         optional.copy_thread(self, source_thread_id, target_thread_id)
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Async form of :meth:`copy_thread`."""
+        from taskpilots_graph.checkpointers import _optional as optional
+
         await optional.acopy_thread(self, source_thread_id, target_thread_id)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
@@ -940,10 +950,14 @@ class RecoveryAPI(DelegatingSaver):
         Raises:
             ConfigurationError: ``run_ids`` is a single string.
         """
+        from taskpilots_graph.checkpointers import _optional as optional
+
         optional.delete_for_runs(self, run_ids)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Async form of :meth:`delete_for_runs`."""
+        from taskpilots_graph.checkpointers import _optional as optional
+
         await optional.adelete_for_runs(self, run_ids)
 
     def sweep(
@@ -952,12 +966,16 @@ class RecoveryAPI(DelegatingSaver):
         """Delete whole threads idle for longer than ``older_than`` (seconds or a
         ``timedelta``), never one with a pending takeover, an uncertain ledger entry or a
         held lease. See :func:`taskpilots_graph.checkpointers.retention.sweep`."""
+        from taskpilots_graph.checkpointers import retention
+
         return retention.sweep(self, older_than=older_than, leases=leases)
 
     async def asweep(
         self, *, older_than: float | timedelta, leases: LeaseBackend | None = None
     ) -> PruneReport:
         """Async form of :meth:`sweep`."""
+        from taskpilots_graph.checkpointers import retention
+
         return await retention.asweep(self, older_than=older_than, leases=leases)
 
     # -- whole threads -----------------------------------------------------------------------
