@@ -25,14 +25,17 @@ __all__ = [
     "answers_waiting",
     "create_agent_arguments",
     "middleware_chain",
+    "node_runnable",
     "task_checkpointer",
     "task_durability",
+    "task_id",
     "tool_filter",
 ]
 
 _SCRATCHPAD = "__pregel_scratchpad"  # per-task state, holding the task's resume values
 _DURABILITY = "__pregel_durability"  # the run's durability mode, set for every task
 _CHECKPOINTER = "__pregel_checkpointer"  # the compiled graph's saver, set for every task
+_TASK_ID = "__pregel_task_id"  # the id the task's put_writes are written under
 _MAX_DEPTH = 8
 
 
@@ -57,6 +60,25 @@ def task_durability(config: Mapping[str, Any]) -> str:
     """The run's durability mode (``"async"`` when LangGraph does not say, the cautious
     answer: decisions are then recorded before their side effects)."""
     return str(_configurable(config).get(_DURABILITY) or "async")
+
+
+def node_runnable(invoke: Any, ainvoke: Any, name: str) -> Any:
+    """A graph node with a sync and an async face: LangGraph's own node wrapper (what
+    ``add_node`` builds for a plain function; it inspects the signature once, where
+    ``RunnableLambda`` does on every call), or ``RunnableLambda`` if that moved."""
+    try:
+        from langgraph._internal._runnable import RunnableCallable
+    except ImportError:  # pragma: no cover - a LangGraph without the private module
+        from langchain_core.runnables import RunnableLambda
+
+        return RunnableLambda(invoke, afunc=ainvoke, name=name)
+    return RunnableCallable(invoke, ainvoke, name=name)
+
+
+def task_id(config: Mapping[str, Any]) -> str | None:
+    """The id of the LangGraph task running (``None`` outside a task)."""
+    found = _configurable(config).get(_TASK_ID)
+    return found if isinstance(found, str) and found else None
 
 
 def task_checkpointer(config: Mapping[str, Any]) -> Any:

@@ -11,12 +11,12 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import merge_configs
 from langchain_core.tools import BaseTool
-from langgraph._internal._runnable import RunnableCallable
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.pregel import Pregel
 
 from taskpilots_graph import unfinished
+from taskpilots_graph._compat import node_runnable
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.density import CheckpointDensity, Density
 from taskpilots_graph.errors import ConfigurationError
@@ -205,9 +205,7 @@ def _after_act(state: dict[str, Any]) -> str:
 
 
 def _node(invoke: Any, ainvoke: Any, name: str) -> Runnable[Any, Any]:
-    # LangGraph's own node wrapper (what add_node builds for a plain function), given both
-    # faces: it inspects the signature once, where RunnableLambda does on every call.
-    node: Runnable[Any, Any] = RunnableCallable(invoke, ainvoke, name=name)
+    node: Runnable[Any, Any] = node_runnable(invoke, ainvoke, name)
     return node
 
 

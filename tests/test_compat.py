@@ -5,6 +5,7 @@ turning a guard off (each function degrades to a safe answer when what it reads 
 
 from __future__ import annotations
 
+import asyncio
 import operator
 from typing import Annotated, Any, TypedDict
 
@@ -24,8 +25,10 @@ from taskpilots_graph._compat import (
     answers_waiting,
     create_agent_arguments,
     middleware_chain,
+    node_runnable,
     task_checkpointer,
     task_durability,
+    task_id,
     tool_filter,
 )
 
@@ -76,10 +79,30 @@ def test_task_durability_and_checkpointer_are_the_runs(mode: Any) -> None:
     assert found == [(mode, saver)]
 
 
+def test_task_id_is_the_id_the_tasks_writes_are_stored_under() -> None:
+    # A held ledger commit rides the put_writes of the task whose id this returns.
+    ids: list[str | None] = []
+    saver = InMemorySaver()
+
+    def node(state: _State) -> dict[str, Any]:
+        ids.append(task_id(get_config()))
+        interrupt("a question")  # the task's writes stay pending, under its id
+        return {"seen": [1]}
+
+    config: Any = {"configurable": {"thread_id": "t"}}
+    _graph(node, saver).invoke({"seen": []}, config)
+    saved = saver.get_tuple(config)
+    assert saved is not None
+    assert ids
+    assert ids[0] is not None
+    assert {task for task, _, _ in saved.pending_writes or []} == {ids[0]}
+
+
 def test_outside_langgraph_the_answers_are_the_cautious_ones() -> None:
     assert answers_waiting({}) == 0
     assert task_durability({}) == "async"
     assert task_checkpointer({}) is None
+    assert task_id({}) is None
     assert create_agent_arguments() is None
 
 
@@ -161,3 +184,24 @@ def test_tool_filters_of_langchains_retry_and_error_middleware() -> None:
 
     assert tool_filter(ToolErrorMiddleware(on_error=on_error, tools=["a"])) == ["a"]
     assert tool_filter(ToolErrorMiddleware(on_error=on_error)) is None
+
+
+def test_node_runnable_runs_each_face_once_per_call() -> None:
+    calls: list[str] = []
+
+    def invoke(state: _State) -> dict[str, Any]:
+        calls.append("sync")
+        return {"seen": [1]}
+
+    async def ainvoke(state: _State) -> dict[str, Any]:
+        calls.append("async")
+        return {"seen": [2]}
+
+    builder: StateGraph[_State] = StateGraph(_State)
+    builder.add_node("n", node_runnable(invoke, ainvoke, "n"))
+    builder.add_edge(START, "n")
+    builder.add_edge("n", END)
+    graph = builder.compile()
+    assert graph.invoke({"seen": []})["seen"] == [1]
+    assert asyncio.run(graph.ainvoke({"seen": []}))["seen"] == [2]
+    assert calls == ["sync", "async"]

@@ -15,9 +15,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from langgraph._internal._constants import CONFIG_KEY_DURABILITY, CONFIG_KEY_TASK_ID
 from langgraph.config import get_config
 
+from taskpilots_graph._compat import task_durability, task_id
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine._await import aawait_owner, await_owner
 from taskpilots_graph.engine._locks import CallLocks
@@ -70,21 +70,18 @@ def _task_id() -> str | None:
     """The LangGraph task this call runs in (its put_writes can carry a commit); ``None``
     outside a task, or where put_writes are not written per task (``durability="exit"``)."""
     try:
-        configurable = get_config().get("configurable", {})
+        config = get_config()
     except RuntimeError:  # not inside a graph's task
         return None
-    task_id = configurable.get(CONFIG_KEY_TASK_ID)
-    if not isinstance(task_id, str) or not task_id:
-        return None
-    return None if configurable.get(CONFIG_KEY_DURABILITY) == "exit" else task_id
+    return None if task_durability(config) == "exit" else task_id(config)
 
 
 def _held(cp: RecoveryAPI, request: WriteEntry, events: list[EventRecord]) -> bool:
     """Whether a commit that may ride was handed to the checkpointer for its task's
     put_writes (see ``RecoveryAPI.hold_commit``) instead of being written now."""
-    if not request.may_ride or (task_id := _task_id()) is None:
+    if not request.may_ride or (task := _task_id()) is None:
         return False
-    return cp.hold_commit(request.entry, expect=request.expect, events=events, task_id=task_id)
+    return cp.hold_commit(request.entry, expect=request.expect, events=events, task_id=task)
 
 
 @dataclass
