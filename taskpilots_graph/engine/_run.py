@@ -1,7 +1,7 @@
 """The events that open, re-anchor and close a run, written alike by both agent forms.
 
 ``create_recovery_agent`` writes them from its think and fail nodes, ``RecoveryMiddleware``
-from its agent and model hooks; the event log (``tp.threads``, ``taskpilots show``, the
+from its agent and model hooks; the event log (``tp.list_threads``, ``taskpilots show``, the
 metrics) reads them the same way whichever form wrote them:
 
 * ``agent_started`` when a turn starts on a user's message (:func:`run_started`);

@@ -43,7 +43,7 @@ RESUME_NAME = "taskpilots_resume"
 
 
 class ResumeSettings(Protocol):
-    """How the resume prompt is written (``tp.ResumeContext`` is one)."""
+    """How the resume prompt is written (``taskpilots_graph.nodes.think.ResumeContext`` is one)."""
 
     @property
     def language(self) -> Language: ...
