@@ -309,3 +309,26 @@ def test_a_held_commit_rides_the_interrupt_of_its_task(
     out = graph.invoke(Command(resume="yes"), _config("t-1"), durability="sync")
     assert out["messages"][-1].content == "done"
     assert _tickets(services) == 1
+
+
+@pytest.mark.parametrize("kind", ["precheck", "idempotent"])
+def test_the_same_command_twice_through_stream_and_run_opens_one_ticket(
+    kind: str, sqlite_cp: tp.RecoveryCheckpointer, services: Services
+) -> None:
+    """The recovery agent through ``stream`` (``durability="sync"``: the commit rides its
+    task's writes), then the same command through ``tp.run`` and ``invoke`` under LangGraph's
+    default durability: the repeats find the effect committed and open no second ticket."""
+    declared = ticket_tools(services)[1] if kind == "precheck" else idempotent_ticket(services)
+    graph = tp.create_recovery_agent(
+        PlanModel(plan=[("open_ticket", {"subject": "$msg"})]), [declared], checkpointer=sqlite_cp
+    )
+    commits = _traced(sqlite_cp)
+    command = {"messages": [("user", "t-1")]}
+    chunks = list(graph.stream(command, _config("t-1"), stream_mode="updates", durability="sync"))
+    assert chunks
+    assert any("writes" in c for c in commits.ledger_commits())  # the commit rode
+    tp.run(graph, "t-1", command)  # LangGraph's default durability from here on
+    graph.invoke(command, _config("t-1"))
+    assert _tickets(services) == 1
+    (entry,) = sqlite_cp.ledger("t-1")
+    assert entry.status is LedgerStatus.COMMITTED
