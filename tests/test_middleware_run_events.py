@@ -240,3 +240,26 @@ def test_a_tool_node_in_a_graph_of_ones_own_logs_no_run_end(
     kinds = [e.kind for e in cp.events("own")]
     assert EventKind.TOOL_FAILED in kinds
     assert EventKind.AGENT_FINISHED not in kinds
+
+
+def _turn_ends(cp: tp.RecoveryCheckpointer, thread_id: str) -> list[EventKind]:
+    ends = (EventKind.AGENT_STARTED, EventKind.AGENT_FINISHED)
+    return [e.kind for e in cp.events(thread_id) if e.kind in ends]
+
+
+def test_stream_then_the_same_command_logs_each_turn_alike_in_both_forms(
+    cp: tp.RecoveryCheckpointer, tmp_path: Path
+) -> None:
+    """LangGraph's own ``stream`` and then the same command through ``invoke``: each turn is
+    logged started and finished once, in both forms, and the thread shows closed."""
+    seen: dict[str, list[EventKind]] = {}
+    for form in FORMS:
+        thread_id = f"twice-{form}"
+        graph, _ = _agent(form, FINISHED, cp, tmp_path, thread_id)
+        command = {"messages": [("user", "go")]}
+        assert list(graph.stream(command, {"configurable": {"thread_id": thread_id}}))
+        graph.invoke(command, {"configurable": {"thread_id": thread_id}})
+        seen[form] = _turn_ends(cp, thread_id)
+        assert tp.thread_info(cp, thread_id).status == "closed"
+    turn = [EventKind.AGENT_STARTED, EventKind.AGENT_FINISHED]
+    assert seen == dict.fromkeys(FORMS, turn * 2)
