@@ -152,14 +152,19 @@ def run_batch(
         saver.setup()
         _ready()
         graph = build_plain_graph(model, services, saver)
+        # The control runs with durability "sync": every step's checkpoint is on disk
+        # before the next step starts, so a kill loses exactly the step it lands in. Under
+        # the default "async" the checkpoint races the kill, and the control's duplicate
+        # count would depend on the machine's speed instead of the kill schedule.
         for ticket in tickets:
             cfg = {"configurable": {"thread_id": thread_id(ticket)}}
             if saver.get_tuple(cfg) is None:
-                graph.invoke({"messages": [HumanMessage(json.dumps(ticket))]}, cfg)
+                start = {"messages": [HumanMessage(json.dumps(ticket))]}
+                graph.invoke(start, cfg, durability="sync")
             else:
                 state = graph.get_state(cfg)
                 if state.next or state.tasks:
-                    graph.invoke(None, cfg)
+                    graph.invoke(None, cfg, durability="sync")
             _settled(ticket)
 
 
