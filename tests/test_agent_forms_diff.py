@@ -257,11 +257,6 @@ ASPECTS = ("calls", "ledger", "tool events", "events")
 # Where the forms differ today: (scenario, aspect) -> the difference. Each such comparison is
 # written as it should hold and expected to fail until the forms agree.
 DIFFERS: dict[tuple[str, str], str] = {
-    ("abandon with compensation", "events"): (
-        "after compensated the recovery agent ends the run (agent_finished); the middleware "
-        "answers the call with the abandon message and the model is called once more (it "
-        "tells the user the task was stopped): resume_context, llm_decided, agent_finished"
-    ),
     ("SIGKILL then resume", "events"): (
         "after run_resumed no replayed llm_decided (the recovery agent runs its think node "
         "again and replays the recorded decision; create_agent resumes at the pending tool "

@@ -58,7 +58,7 @@ from taskpilots_graph.recovery import Action
 from taskpilots_graph.takeover import parse_decision
 from taskpilots_graph.tools import spec_of
 
-__all__ = ["DECISIONS", "Answer", "Flow", "tool_flow"]
+__all__ = ["ABANDONED_MARK", "DECISIONS", "Answer", "Flow", "tool_flow"]
 
 DECISIONS = "middleware_decisions"
 """Key in ``LedgerEntry.extra``: ``{task namespace: decisions applied}`` (see the module)."""
@@ -67,6 +67,9 @@ FAILURE_MARK = "taskpilots_failure"
 """Key in an answer's ``artifact``: the signature (tool, kind, error type) of its failure."""
 DECIDED_MARK = "taskpilots_decided"
 """Key in an answer's ``artifact``: a person decided about the call."""
+ABANDONED_MARK = "taskpilots_abandoned"
+"""Key in an answer's ``artifact``: a person abandoned the run at this call (the agent ends
+before the model is called again, as the recovery agent ends after compensating)."""
 
 SKIPPED = "Skipped by a person; do not call it again."
 ABANDONED = (
@@ -116,12 +119,14 @@ class _Call:
     failed: str | None = None  # the signature of the call's latest failure (stuck counting)
     decided: bool = False  # a person decided about the call
 
-    def marked(self, answer: Answer) -> Answer:
+    def marked(self, answer: Answer, *, abandoned: bool = False) -> Answer:
         """``answer``, carrying what stuck detection counts in later calls, as the recovery
         agent counts it: the call's failure signature if it failed on its way (since a
-        person's decision), and that a person decided (the count starts again). An answer
-        with an artifact of its own keeps it."""
+        person's decision), and that a person decided (the count starts again); and that
+        the run was abandoned here. An answer with an artifact of its own keeps it."""
         marks: dict[str, Any] = {DECIDED_MARK: True} if self.decided else {}
+        if abandoned:
+            marks[ABANDONED_MARK] = True
         if self.failed is not None:
             marks[FAILURE_MARK] = self.failed
         if not marks or not isinstance(answer, ToolMessage) or answer.artifact:
@@ -444,7 +449,7 @@ def _decide(
         return state.marked(_answer(state.call_id, state.name, asked["current"]))
     if action == "abandon":
         yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
-        return state.marked(error_message(state.request.tool_call, ABANDONED))
+        return state.marked(error_message(state.request.tool_call, ABANDONED), abandoned=True)
     if action == "edit_args":
         state.args = dict(decision.args or {})
     state.attempts, state.first_failed_at = 0, None

@@ -34,7 +34,7 @@ from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry
-from taskpilots_graph.middleware._flow import Flow, tool_flow
+from taskpilots_graph.middleware._flow import ABANDONED_MARK, Flow, tool_flow
 from taskpilots_graph.middleware._leases import StepLeases
 from taskpilots_graph.middleware._owner import check_middleware
 from taskpilots_graph.middleware._requests import (
@@ -53,7 +53,7 @@ from taskpilots_graph.middleware._requests import (
     asked_in,
 )
 from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
-from taskpilots_graph.nodes.compensate import acompensate_thread, compensate_thread
+from taskpilots_graph.nodes.compensate import ABANDONED, acompensate_thread, compensate_thread
 from taskpilots_graph.nodes.think import RESUME_KEY, ResumeContext
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.prompts.resume import resume_message
@@ -303,6 +303,8 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         # ``after_agent`` runs only when the agent loop ends on an answer (a pause for a
         # person or an error leaves before it): the run closed, as the think node logs it.
         messages = list(state.get("messages") or [])
+        if messages and getattr(messages[-1], "name", None) == _STOPPED_NAME:
+            return [run_finished(ctx.thread_id, ctx.graph_ns, "closed", reason=ABANDONED)]
         answer = answer_text(messages[-1]) if messages else ""
         return [run_finished(ctx.thread_id, ctx.graph_ns, "closed", answer=answer)]
 
@@ -392,6 +394,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         ctx = self._model_context()
         if ctx is None:
             return handler(request)
+        stopped = _stopped(request)
+        if stopped is not None:
+            return stopped
         with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
             return self._model_call(ctx, request, handler)
 
@@ -528,6 +533,9 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         ctx = self._model_context()
         if ctx is None:
             return await handler(request)
+        stopped = _stopped(request)
+        if stopped is not None:
+            return stopped
         async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
             return await self._amodel_call(ctx, request, handler)
 
@@ -582,6 +590,27 @@ def _digest(request: ModelRequest[Any]) -> str:
 def _tool_table(request: ModelRequest[Any]) -> dict[str, BaseTool]:
     """The agent's tools by name, as the model request carries them."""
     return {t.name: t for t in request.tools if isinstance(t, BaseTool)}
+
+
+_STOPPED_NAME = "taskpilots_abandoned"
+_STOPPED = (
+    "Stopped: a person abandoned this task; committed side effects were undone where possible."
+)
+
+
+def _stopped(request: ModelRequest[Any]) -> AIMessage | None:
+    """The run's last answer when a person abandoned it at a call of the last step.
+
+    The recovery agent closes the run once the undo is done, without asking the model
+    again; so does this form: the loop ends on this answer (no tool calls), and
+    ``after_agent`` logs the run closed for the reason the recovery agent gives.
+    """
+    for message in reversed(request.state.get("messages") or []):
+        if not isinstance(message, ToolMessage):
+            return None
+        if isinstance(message.artifact, Mapping) and message.artifact.get(ABANDONED_MARK):
+            return AIMessage(_STOPPED, name=_STOPPED_NAME)
+    return None
 
 
 def _answered(request: ModelRequest[Any]) -> ModelRequest[Any]:
