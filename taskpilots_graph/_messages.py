@@ -24,8 +24,7 @@ methods (``list.append(value, m)``); only a same-length change made that way
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
-from typing import Any, Self, SupportsIndex
+from typing import Any
 
 from langchain_core.messages import BaseMessage, BaseMessageChunk, RemoveMessage
 from langgraph.graph.message import add_messages
@@ -57,55 +56,35 @@ class MessageList(list[BaseMessage]):
     def _changed(self) -> None:
         self._index = None
 
-    def append(self, *args: Any, **kwargs: Any) -> None:
-        self._changed()
-        super().append(*args, **kwargs)
 
-    def extend(self, *args: Any, **kwargs: Any) -> None:
-        self._changed()
-        super().extend(*args, **kwargs)
+def _dropping_map(name: str) -> Any:
+    """``list``'s method ``name``, dropping the list's claim on its map first."""
+    method = getattr(list, name)
 
-    def insert(self, *args: Any, **kwargs: Any) -> None:
+    def changed(self: MessageList, *args: Any, **kwargs: Any) -> Any:
         self._changed()
-        super().insert(*args, **kwargs)
+        return method(self, *args, **kwargs)
 
-    def pop(self, *args: Any, **kwargs: Any) -> BaseMessage:
-        self._changed()
-        return super().pop(*args, **kwargs)
+    return changed
 
-    def remove(self, *args: Any, **kwargs: Any) -> None:
-        self._changed()
-        super().remove(*args, **kwargs)
 
-    def clear(self) -> None:
-        self._changed()
-        super().clear()
-
-    def sort(self, *args: Any, **kwargs: Any) -> None:
-        self._changed()
-        super().sort(*args, **kwargs)
-
-    def reverse(self) -> None:
-        self._changed()
-        super().reverse()
-
-    def __setitem__(self, *args: Any) -> None:
-        self._changed()
-        super().__setitem__(*args)
-
-    def __delitem__(self, key: SupportsIndex | slice) -> None:
-        self._changed()
-        super().__delitem__(key)
-
-    # list's own __iadd__ takes any iterable where __add__ takes a list (typeshed ignores
-    # the same mismatch).
-    def __iadd__(self, other: Iterable[BaseMessage]) -> Self:  # type: ignore[override, misc]
-        self._changed()
-        return super().__iadd__(other)
-
-    def __imul__(self, n: SupportsIndex) -> Self:
-        self._changed()
-        return super().__imul__(n)
+# Every ``list`` method that changes the list in place (``__iadd__`` and ``__imul__``
+# return the list itself, as ``list``'s do).
+for _name in (
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+    "__setitem__",
+    "__delitem__",
+    "__iadd__",
+    "__imul__",
+):
+    setattr(MessageList, _name, _dropping_map(_name))
 
 
 def _indexed(messages: list[Any]) -> MessageList:

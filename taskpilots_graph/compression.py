@@ -153,7 +153,7 @@ def compress_observation(
         raise ConfigurationError(f"threshold_bytes must be an int, got {threshold_bytes!r}")
     if threshold_bytes < 0:
         raise ConfigurationError(f"threshold_bytes must be >= 0, got {threshold_bytes}")
-    _check_max_chars(max_chars)
+    check_int("max_chars", max_chars, 1)
     data, detected, text, value = _encode(content)
     kind = media_type or detected
     if text is not None and len(data) <= threshold_bytes:
@@ -215,7 +215,7 @@ def structural_summary(payload: Any, /, *, max_chars: int = DEFAULT_SUMMARY_CHAR
     Raises:
         ConfigurationError: If ``max_chars`` is below 1.
     """
-    _check_max_chars(max_chars)
+    check_int("max_chars", max_chars, 1)
     if isinstance(payload, bytes | bytearray | memoryview):
         raw = bytes(payload)
         try:
@@ -235,9 +235,10 @@ def structural_summary(payload: Any, /, *, max_chars: int = DEFAULT_SUMMARY_CHAR
     return _json_summary(payload, size, max_chars)
 
 
-def _check_max_chars(max_chars: int) -> None:
-    if not isinstance(max_chars, int) or isinstance(max_chars, bool) or max_chars < 1:
-        raise ConfigurationError(f"max_chars must be an int >= 1, got {max_chars!r}")
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _bound(text: str, max_chars: int) -> str:

@@ -115,17 +115,18 @@ def load_graph_factory(ref: str) -> Any:
     return target
 
 
+def _named(params: Mapping[str, Any], **offered: Any) -> dict[str, Any]:
+    """The ``offered`` arguments that a factory's parameters name."""
+    return {name: value for name, value in offered.items() if name in params}
+
+
 def _call_factory(factory: Any, checkpointer: Any, leases: LeaseBackend) -> Any:
     """Call ``factory`` with what it asks for: ``checkpointer`` and / or ``leases``."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin or C callable: offer both by keyword
+    params = _parameters(factory)
+    # A builtin or C callable (no signature), or one taking ``**kwargs``: both by keyword.
+    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return factory(checkpointer=checkpointer, leases=leases)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return factory(checkpointer=checkpointer, leases=leases)
-    offered = {"checkpointer": checkpointer, "leases": leases}
-    kwargs = {name: value for name, value in offered.items() if name in params}
-    if kwargs:
+    if kwargs := _named(params, checkpointer=checkpointer, leases=leases):
         return factory(**kwargs)
     # ``make_graph(cp)`` with a differently named parameter, or ``make_graph()``.
     return factory(checkpointer) if params else factory()
@@ -214,10 +215,8 @@ class GraphRef:
             params = _parameters(self.target)
             if params is None or "checkpointer" not in params:
                 graph = self.target(checkpointer)
-            elif "leases" in params:  # build(*, checkpointer, leases): drills run unleased
-                graph = self.target(checkpointer=checkpointer, leases=None)
-            else:
-                graph = self.target(checkpointer=checkpointer)
+            else:  # build(*, checkpointer, leases): drills run unleased
+                graph = self.target(**_named(params, checkpointer=checkpointer, leases=None))
         if not _is_graph(graph):
             raise ConfigurationError(
                 f"{self.spec} gave {type(graph).__name__}, not a compiled graph; "

@@ -18,6 +18,7 @@ from langgraph.types import Command, Interrupt, StateSnapshot
 from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph import _thread_index
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.agent import find_executor
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import (
@@ -72,25 +73,24 @@ def pending_takeovers(
         checkpointer: The checkpointer the graphs run with.
         thread_ids: Look only at these threads (default: every thread in the store).
     """
-    requests: list[TakeoverRequest] = []
-    for thread_id in (
-        thread_ids if thread_ids is not None else _thread_index.thread_ids(checkpointer)
-    ):
-        found = checkpointer.get_tuple({"configurable": {"thread_id": thread_id}})
-        if found is not None:
-            requests += _requests_from_tuple(thread_id, found.pending_writes)
-    return requests
+    return run_steps(_pending(checkpointer, thread_ids))
 
 
 async def apending_takeovers(
     checkpointer: BaseCheckpointSaver[Any], *, thread_ids: list[str] | None = None
 ) -> list[TakeoverRequest]:
     """Async form of :func:`pending_takeovers`."""
+    return await arun_steps(_pending(checkpointer, thread_ids))
+
+
+def _pending(
+    checkpointer: BaseCheckpointSaver[Any], thread_ids: list[str] | None
+) -> Steps[list[TakeoverRequest]]:
     if thread_ids is None:
-        thread_ids = await _thread_index.athread_ids(checkpointer)
+        thread_ids = yield both(_thread_index.thread_ids, _thread_index.athread_ids, checkpointer)
     requests: list[TakeoverRequest] = []
     for thread_id in thread_ids:
-        found = await checkpointer.aget_tuple({"configurable": {"thread_id": thread_id}})
+        found = yield io(checkpointer, "get_tuple", {"configurable": {"thread_id": thread_id}})
         if found is not None:
             requests += _requests_from_tuple(thread_id, found.pending_writes)
     return requests
@@ -215,15 +215,7 @@ def decide(
     parsed = parse_decision(decision)
     cfg = thread_config(thread_id, config)
     with leased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if cp.get_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        snapshot = graph.get_state(cfg)
-        command = _answer(graph, snapshot, thread_id, parsed)
-        if isinstance(cp, RecoveryAPI):
-            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action})
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return graph.invoke(command, cfg, **kwargs)
+        return run_steps(_decide(graph, parsed, cfg, kwargs))
 
 
 async def adecide(
@@ -239,14 +231,20 @@ async def adecide(
     parsed = parse_decision(decision)
     cfg = thread_config(thread_id, config)
     async with aleased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if await cp.aget_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        snapshot = await graph.aget_state(cfg)
-        command = _answer(graph, snapshot, thread_id, parsed)
-        if isinstance(cp, RecoveryAPI):
-            event = await cp.aappend_event(
-                thread_id, EventKind.RUN_RESUMED, {"decision": parsed.action}
-            )
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return await graph.ainvoke(command, cfg, **kwargs)
+        return await arun_steps(_decide(graph, parsed, cfg, kwargs))
+
+
+def _decide(
+    graph: Pregel[Any, Any], decision: Decision, cfg: RunnableConfig, kwargs: dict[str, Any]
+) -> Steps[Any]:
+    thread_id = cfg["configurable"]["thread_id"]
+    cp = graph_saver(graph)
+    if (yield io(cp, "get_tuple", cfg)) is None:
+        raise ThreadNotFound(thread_id)
+    snapshot = yield io(graph, "get_state", cfg)
+    command = _answer(graph, snapshot, thread_id, decision)
+    if isinstance(cp, RecoveryAPI):
+        payload = {"decision": decision.action}
+        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, payload)
+        cfg = resumed_config(cfg, event.seq, snapshot)
+    return (yield io(graph, "invoke", command, cfg, **kwargs))

@@ -18,9 +18,8 @@ from contextlib import closing, contextmanager
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool, StructuredTool
+from langchain_core.tools import BaseTool
 
-from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.tool_tables import tool_tables
 
 __all__ = ["Journal", "Wrap", "instrumented"]
@@ -69,42 +68,21 @@ Wrap = Callable[[BaseTool], Any]  # a tool -> its testing.FaultyTool
 
 def _recording(tool: BaseTool, on_done: Callable[[str, dict[str, Any], str | None], None]) -> Any:
     """``tool`` with every completed execution reported to ``on_done`` (declaration kept)."""
-    from taskpilots_graph.tools import SideEffectTool, current_invocation
+    from taskpilots_graph.tools import SideEffectTool, invocation_key, twin
 
     inner = tool.tool if isinstance(tool, SideEffectTool) else tool
 
-    def key() -> str | None:
-        try:
-            return current_invocation().key
-        except ConfigurationError:
-            return None  # not run by the recovery executor (a plain ToolNode)
-
     def run(config: RunnableConfig, **kwargs: Any) -> Any:
         result = inner.invoke(kwargs, config=config)
-        on_done(inner.name, kwargs, key())
+        on_done(inner.name, kwargs, invocation_key())
         return result
 
     async def arun(config: RunnableConfig, **kwargs: Any) -> Any:
         result = await inner.ainvoke(kwargs, config=config)
-        on_done(inner.name, kwargs, key())
+        on_done(inner.name, kwargs, invocation_key())
         return result
 
-    wrapped: BaseTool = StructuredTool(
-        name=inner.name,
-        description=inner.description,
-        args_schema=inner.args_schema or inner.get_input_schema(),
-        func=run,
-        coroutine=arun,
-    )
-    if isinstance(tool, SideEffectTool):
-        wrapped = SideEffectTool(
-            name=tool.name,
-            description=tool.description,
-            args_schema=tool.args_schema,
-            tool=wrapped,
-            spec=tool.spec,
-        )
-    return wrapped
+    return twin(tool, run, arun)
 
 
 @contextmanager

@@ -47,7 +47,7 @@ import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -201,16 +201,7 @@ class DrillResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "name": self.name,
-            "outcome": self.outcome,
-            "detail": self.detail,
-            "thread_id": self.thread_id,
-            "tool": self.tool,
-            "settled": self.settled,
-            "duplicates": self.duplicates,
-            "keyed_reruns": self.keyed_reruns,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -383,13 +374,10 @@ def _fault_drill(
     return _verdict(name, thread_id, tool, drive, base, runs, ok_states=ok_states, extra=extra)
 
 
-def _first(base: _Baseline, pure_first: bool) -> str | None:
+def _first_pure(base: _Baseline) -> str | None:
+    """The first tool without side effects the baseline ran, else its first tool."""
     tools = base.tools()
-    if pure_first:
-        pure = [t for t in tools if t not in base.effects]
-        if pure:
-            return pure[0]
-    return tools[0] if tools else None
+    return next((t for t in tools if t not in base.effects), tools[0] if tools else None)
 
 
 def _after_first_effect(base: _Baseline) -> str | None:
@@ -476,6 +464,7 @@ def run_drills(
     """
     from taskpilots_graph import testing
     from taskpilots_graph.checkpointers import RecoveryCheckpointer
+    from taskpilots_graph.metrics import recovery_metrics
 
     ref = load_graph(graph)
     if not ref.takes_checkpointer:
@@ -509,7 +498,7 @@ def run_drills(
             plan: list[tuple[str, str | None, Wrap, tuple[str, ...]]] = [
                 (
                     "transient",
-                    _first(base, pure_first=True),
+                    _first_pure(base),
                     lambda t: testing.failing(t, times=2, exc=lambda: TimeoutError("drill")),
                     ("closed",),
                 ),
@@ -523,7 +512,7 @@ def run_drills(
                 ),
                 (
                     "long_outage",
-                    _first(base, pure_first=True),
+                    _first_pure(base),
                     lambda t: testing.down_for(
                         t, 10.0**9, exc=lambda: ConnectionRefusedError("drill: down")
                     ),
@@ -539,7 +528,7 @@ def run_drills(
                 notify("crash")
                 results.append(_crash_drill(ref, conn, journal, input_, base, run))
             threads = [f"drill-{run}-baseline", *(r.thread_id for r in results)]
-            metrics = _metrics(cp, threads)
+            metrics = recovery_metrics(cp, thread_ids=threads).as_dict()
     return DrillsReport(
         graph=graph,
         baseline=tuple(base.tools()),
@@ -548,13 +537,6 @@ def run_drills(
         database=conn if workdir is not None else "(temporary)",
         real_effects=not marked,
     )
-
-
-def _metrics(cp: Any, thread_ids: list[str]) -> dict[str, Any]:
-    from taskpilots_graph.metrics import recovery_metrics
-
-    data: dict[str, Any] = recovery_metrics(cp, thread_ids=thread_ids).as_dict()
-    return data
 
 
 # -- the crash drill's child process -----------------------------------------------------------
@@ -576,7 +558,7 @@ def _child_main(argv: list[str]) -> int:
             testing.fake_clock() as clock,
         ):
             drive = _drive(graph, thread_id, payload["input"], clock, start=payload["start"])
-    print(json.dumps({"settled": drive.settled, "resumes": drive.resumes, "errors": drive.errors}))
+    print(json.dumps(asdict(drive)))
     return 0
 
 

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from types import MappingProxyType
@@ -270,15 +270,7 @@ class EventRecord:
 
     def to_event(self, seq: int) -> Event:
         """The :class:`Event` this record becomes once stored at ``seq``."""
-        return event_from_row(
-            thread_id=self.thread_id,
-            seq=seq,
-            kind=self.kind,
-            ts=self.ts,
-            payload=self.payload,
-            checkpoint_id=self.checkpoint_id,
-            checkpoint_ns=self.checkpoint_ns,
-        )
+        return event_from_row(seq=seq, **{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 def prepare_event(

@@ -84,9 +84,6 @@ def exposition_text(gauges: Sequence[Gauge]) -> str:
                 f'{k}="{_escape(v, quote=True)}"'
                 for k, v in sorted(zip(gauge.labels, values, strict=True))
             )
-            lines.append(
-                f"{gauge.name}{{{pairs}}} {_number(value)}"
-                if pairs
-                else f"{gauge.name} {_number(value)}"
-            )
+            labels = f"{{{pairs}}}" if pairs else ""
+            lines.append(f"{gauge.name}{labels} {_number(value)}")
     return "\n".join(lines) + "\n"

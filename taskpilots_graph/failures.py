@@ -14,7 +14,7 @@ import math
 import socket
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
@@ -250,10 +250,7 @@ def _by_type(exc: BaseException) -> FailureKind:
 
 def _by_rules(exc: BaseException, rules: Iterable[Rule]) -> FailureKind | None:
     for match, kind in rules:
-        if isinstance(match, type):
-            if isinstance(exc, match):
-                return kind
-        elif match(exc):
+        if isinstance(exc, match) if isinstance(match, type) else match(exc):
             return kind
     return None
 
@@ -261,10 +258,6 @@ def _by_rules(exc: BaseException, rules: Iterable[Rule]) -> FailureKind | None:
 def failure_payload(failure: Failure) -> dict[str, Any]:
     """The JSON form of a failure for events and step records."""
     return {
+        **{f.name: getattr(failure, f.name) for f in fields(failure)},
         "kind": failure.kind.value,
-        "error_type": failure.error_type,
-        "message": failure.message,
-        "retry_after": failure.retry_after,
-        "status": failure.status,
-        "sqlstate": failure.sqlstate,
     }

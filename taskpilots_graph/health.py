@@ -190,32 +190,18 @@ def _attribute(thread_id: str, snapshot: StateSnapshot, agent: str, cause: Cause
     node = (
         snapshot.next[0] if snapshot.next else (snapshot.tasks[0].name if snapshot.tasks else None)
     )
-    checkpoint_id = _checkpoint_id(snapshot)
     if cause == "retry_due":
         _, step = _waiting(snapshot)
-        failure = (step.get("failure") or {}).get("kind") or "unknown"
-        return Attribution(
-            thread_id,
-            cause,
-            agent,
-            node,
-            step.get("tool_call_id"),
-            step.get("using") or step.get("tool"),
-            str(failure),
-            checkpoint_id,
-        )
-    values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
-    _, calls = pending_calls(values.get("messages") or [])
-    tool_step = calls[0] if calls and node in ("act", "recover", "wait") else None
+        failure = str((step.get("failure") or {}).get("kind") or "unknown")
+        call_id, tool = step.get("tool_call_id"), step.get("using") or step.get("tool")
+    else:
+        values = snapshot.values if isinstance(snapshot.values, Mapping) else {}
+        _, calls = pending_calls(values.get("messages") or [])
+        tool_step = calls[0] if calls and node in ("act", "recover", "wait") else None
+        failure = "worker_lost"
+        call_id, tool = (tool_step["id"], tool_step["name"]) if tool_step else (None, None)
     return Attribution(
-        thread_id,
-        cause,
-        agent,
-        node,
-        tool_step["id"] if tool_step else None,
-        tool_step["name"] if tool_step else None,
-        "worker_lost",
-        checkpoint_id,
+        thread_id, cause, agent, node, call_id, tool, failure, _checkpoint_id(snapshot)
     )
 
 

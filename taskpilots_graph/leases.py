@@ -110,11 +110,9 @@ class LeaseBackend(Protocol):
     @property
     def kind(self) -> str:
         """Short backend name for messages: ``"redis"``, ``"postgres"``, ..."""
-        ...
 
     def setup(self) -> None:
         """Create what the backend needs (tables); idempotent, a no-op where nothing is."""
-        ...
 
     def acquire(self, name: str, owner: str, ttl: float) -> Lease | None:
         """Take ``name`` for ``ttl`` seconds if it is free or expired, else ``None``.
@@ -123,47 +121,36 @@ class LeaseBackend(Protocol):
         keeps its fencing token, so a retried request whose reply was lost does not lock
         its own caller out.
         """
-        ...
 
     def renew(self, lease: Lease) -> Lease:
         """Extend ``lease`` by its ``ttl``; raises ``LeaseLost`` if it expired or was taken."""
-        ...
 
     def release(self, lease: Lease) -> bool:
         """Delete the lease if (and only if) it is still ours; whether it was."""
-        ...
 
     def holder(self, name: str) -> Lease | None:
         """The live lease on ``name``, whoever holds it, or ``None``."""
-        ...
 
     def close(self) -> None:
         """Release the backend's sync connections."""
-        ...
 
     async def asetup(self) -> None:
         """Async form of :meth:`setup`."""
-        ...
 
     async def aacquire(self, name: str, owner: str, ttl: float) -> Lease | None:
         """Async form of :meth:`acquire`."""
-        ...
 
     async def arenew(self, lease: Lease) -> Lease:
         """Async form of :meth:`renew`."""
-        ...
 
     async def arelease(self, lease: Lease) -> bool:
         """Async form of :meth:`release`."""
-        ...
 
     async def aholder(self, name: str) -> Lease | None:
         """Async form of :meth:`holder`."""
-        ...
 
     async def aclose(self) -> None:
         """Release the backend's async (and sync) connections."""
-        ...
 
     def __enter__(self) -> Self: ...
 
@@ -188,6 +175,16 @@ class LeaseBackendBase:
     """Context-manager plumbing and no-op setup shared by the bundled backends."""
 
     kind: str = "abstract"
+    url: str | None = None
+
+    def _require_url(self, side: str) -> str:
+        """``url``, needed to open the side (sync or async) no ``side`` was given for."""
+        if self.url is None:
+            raise ConfigurationError(
+                f"this {type(self).__name__} was given only a sync or only an async {side}; "
+                f"pass url= (or the other {side}) to use the other side"
+            )
+        return self.url
 
     def setup(self) -> None:
         """Nothing to create by default."""
@@ -205,23 +202,13 @@ class LeaseBackendBase:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 
@@ -320,10 +307,8 @@ def holder_died(owner: str) -> bool:
     parts = owner.rsplit(":", 2)
     if not _SPACE or len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
         return False
-    if not parts[2].startswith(f"{_SPACE}."):
-        return False
     pid = int(parts[1])
-    if pid <= 0 or pid == os.getpid():
+    if not parts[2].startswith(f"{_SPACE}.") or pid <= 0 or pid == os.getpid():
         return False
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists

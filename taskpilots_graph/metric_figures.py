@@ -36,22 +36,19 @@ __all__ = [
     "takeover_cost",
     "time_to_close",
     "tool_tallies",
+    "turn_closes",
 ]
 
 
 def plain(value: Any) -> dict[str, Any]:
     """A flat dataclass as a JSON-ready dict (mappings and tuples become dicts and lists)."""
-    data = {}
-    for name in value.__dataclass_fields__:
-        item = getattr(value, name)
-        data[name] = (
-            dict(item)
-            if isinstance(item, Mapping)
-            else list(item)
-            if isinstance(item, tuple)
-            else item
-        )
-    return data
+    return {name: _plain_item(getattr(value, name)) for name in value.__dataclass_fields__}
+
+
+def _plain_item(item: Any) -> Any:
+    if isinstance(item, Mapping):
+        return dict(item)
+    return list(item) if isinstance(item, tuple) else item
 
 
 def ratio(part: float, whole: float) -> float | None:
@@ -199,6 +196,12 @@ class _Failure:
     outcome: str | None = None  # "recovered" / "unrecovered" once settled
 
 
+def _settle(settled: list[_Failure], failures: Iterable[_Failure], outcome: str) -> None:
+    for failure in failures:
+        failure.outcome = outcome
+        settled.append(failure)
+
+
 def local_recovery(
     events_by_thread: Mapping[str, Sequence[Event]], statuses: Mapping[str, ThreadStatus]
 ) -> LocalRecovery:
@@ -214,8 +217,7 @@ def local_recovery(
                 kind is EventKind.EFFECT_RECONCILED and p.get("outcome") == "done"
             ):
                 if (failure := open_.pop(_step_id(event), None)) is not None:
-                    failure.outcome = "recovered"
-                    settled.append(failure)
+                    _settle(settled, [failure], "recovered")
             elif kind is EventKind.DECISION_RECORDED:
                 action = (p.get("decision") or {}).get("action")
                 for step in p.get("steps") or []:
@@ -224,19 +226,13 @@ def local_recovery(
                     failure.human = True
                     if action in ("provide_result", "skip", "abandon"):
                         del open_[str(step)]
-                        failure.outcome = (
-                            "recovered" if action == "provide_result" else "unrecovered"
-                        )
-                        settled.append(failure)
+                        outcome = "recovered" if action == "provide_result" else "unrecovered"
+                        _settle(settled, [failure], outcome)
             elif kind is EventKind.AGENT_FINISHED:
-                for failure in open_.values():
-                    failure.outcome = "unrecovered"
-                    settled.append(failure)
+                _settle(settled, open_.values(), "unrecovered")
                 open_.clear()
         if statuses.get(thread_id) in ("closed", "failed"):
-            for failure in open_.values():
-                failure.outcome = "unrecovered"
-                settled.append(failure)
+            _settle(settled, open_.values(), "unrecovered")
         else:
             pending += len(open_)
     recovered = [f for f in settled if f.outcome == "recovered"]
@@ -324,27 +320,33 @@ def duplicate_effects(
     )
 
 
-def time_to_close(events_by_thread: Mapping[str, Sequence[Event]]) -> TimeToClose:
+def turn_closes(events: Iterable[Event]) -> tuple[list[float], int, bool]:
+    """The turns of one run with a tool failure: seconds from the first failure to the run
+    closing (turns that closed), how many ended ``failed``, whether the last is still open."""
     samples: list[float] = []
-    failed = open_ = 0
-    for events in events_by_thread.values():
-        first: datetime | None = None
-        for event in events:
-            if event.kind in (EventKind.TOOL_FAILED, EventKind.EFFECT_UNCERTAIN):
-                first = first or event.ts
-            elif event.kind is EventKind.AGENT_FINISHED and first is not None:
-                if event.payload.get("status") == "failed":
-                    failed += 1
-                else:
-                    samples.append(max(0.0, (event.ts - first).total_seconds()))
-                first = None
-        open_ += first is not None
+    failed = 0
+    first: datetime | None = None
+    for event in events:
+        if event.kind in (EventKind.TOOL_FAILED, EventKind.EFFECT_UNCERTAIN):
+            first = first or event.ts
+        elif event.kind is EventKind.AGENT_FINISHED and first is not None:
+            if event.payload.get("status") == "failed":
+                failed += 1
+            else:
+                samples.append(max(0.0, (event.ts - first).total_seconds()))
+            first = None
+    return samples, failed, first is not None
+
+
+def time_to_close(events_by_thread: Mapping[str, Sequence[Event]]) -> TimeToClose:
+    turns = [turn_closes(events) for events in events_by_thread.values()]
+    samples = [s for closed, _, _ in turns for s in closed]
     return TimeToClose(
         samples=len(samples),
         mean_seconds=sum(samples) / len(samples) if samples else None,
         max_seconds=max(samples, default=None),
-        failed=failed,
-        open=open_,
+        failed=sum(failed for _, failed, _ in turns),
+        open=sum(still_open for _, _, still_open in turns),
     )
 
 

@@ -339,7 +339,7 @@ def compute_metrics(
     ledger = [e for e in ledger_entries if e.thread_id in logs or e.key in used]
     tools, missing = tool_tallies(e for events in logs.values() for e in events)
     by_status = Counter(status.values())
-    all_events = [e for events in logs.values() for e in events]
+    kinds = Counter(e.kind for events in logs.values() for e in events)
     return RecoveryMetrics(
         local_recovery=local_recovery(logs, status),
         duplicates=duplicate_effects(logs, ledger),
@@ -347,24 +347,17 @@ def compute_metrics(
         takeover=takeover_cost(logs, now),
         runs=RunCounts(total=len(logs), **{s: by_status.get(s, 0) for s in THREAD_STATUSES}),
         tools=tuple(
-            ToolStats(
-                tool=name,
-                calls=t.calls,
-                failures=frozen_counts(t.failures),
-                retries=t.retries,
-                degradations=t.degradations,
-                compensations=t.compensations,
-            )
+            ToolStats(name, **{**vars(t), "failures": frozen_counts(t.failures)})
             for name, t in sorted(tools.items())
         ),
         retries=sum(t.retries for t in tools.values()),
         degradations=sum(t.degradations for t in tools.values()),
         compensations=sum(t.compensations for t in tools.values()),
         compensations_missing=missing,
-        model_failures=sum(1 for e in all_events if e.kind is EventKind.MODEL_FAILED),
-        resumes=sum(1 for e in all_events if e.kind is EventKind.RUN_RESUMED),
+        model_failures=kinds[EventKind.MODEL_FAILED],
+        resumes=kinds[EventKind.RUN_RESUMED],
         uncertain_effects=sum(1 for e in ledger if e.status is LedgerStatus.UNCERTAIN),
-        repeats_caught=sum(1 for e in all_events if e.kind is EventKind.REPEAT_CAUGHT),
+        repeats_caught=kinds[EventKind.REPEAT_CAUGHT],
         unreconciled_intents=sum(
             1 for e in ledger if e.status is LedgerStatus.INTENDED and not e.extra.get(PAUSED)
         ),
@@ -376,17 +369,40 @@ def compute_metrics(
 # -- drivers -----------------------------------------------------------------------------------
 
 
-def _own(ledger: Sequence[LedgerEntry], thread_id: str) -> list[LedgerEntry]:
-    """The thread's entries: its status must not read ``closed`` while one is unsettled."""
-    return [e for e in ledger if e.thread_id == thread_id]
-
-
 def _ids(thread_ids: Sequence[str] | None) -> list[str] | None:
     if thread_ids is None:
         return None
     if isinstance(thread_ids, str):
         raise ConfigurationError("thread_ids must be a list of thread ids, not one string")
     return list(dict.fromkeys(thread_ids))
+
+
+@dataclass
+class _Reading:
+    """What the drivers read of the store, thread by thread (their shared, I/O free part)."""
+
+    ledger: list[LedgerEntry]
+    logs: dict[str, list[Event]] = field(default_factory=dict)
+    statuses: dict[str, ThreadStatus] = field(default_factory=dict)
+    corrupt: list[str] = field(default_factory=list)
+
+    def ids(self, thread_ids: list[str] | None, indexed: Iterable[str]) -> list[str]:
+        """The runs named, else those with a checkpoint (``indexed``) or a ledger entry."""
+        if thread_ids is not None:
+            return thread_ids
+        return list(dict.fromkeys([*indexed, *(e.thread_id for e in self.ledger)]))
+
+    def add(self, thread_id: str, listed: tuple[list[Event], tuple[str, ...]], found: Any) -> None:
+        self.logs[thread_id], skipped = listed
+        # The thread's own entries: its status must not read ``closed`` while one is unsettled.
+        own = [e for e in self.ledger if e.thread_id == thread_id]
+        info = listed_thread_info(thread_id, found, self.logs[thread_id], own, skipped)
+        self.statuses[thread_id] = info.status
+        self.corrupt.extend(skipped)
+
+    def metrics(self, since: datetime | None) -> RecoveryMetrics:
+        result = compute_metrics(self.logs, self.ledger, statuses=self.statuses, since=since)
+        return replace(result, corrupt_events=tuple(self.corrupt)) if self.corrupt else result
 
 
 def recovery_metrics(
@@ -413,21 +429,11 @@ def recovery_metrics(
     """
     cp = recovery_api(checkpointer)
     ids, start = _ids(thread_ids), _since(since)
-    ledger = cp.ledger(None)
-    if ids is None:
-        ids = list(dict.fromkeys([*_thread_index.thread_ids(cp), *(e.thread_id for e in ledger)]))
-    logs: dict[str, list[Event]] = {}
-    statuses: dict[str, ThreadStatus] = {}
-    corrupt: list[str] = []
-    for thread_id in ids:
-        logs[thread_id], skipped = events_for_listing(cp, thread_id)
-        found = cp.get_tuple(root_config(thread_id))
-        statuses[thread_id] = listed_thread_info(
-            thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
-        ).status
-        corrupt.extend(skipped)
-    result = compute_metrics(logs, ledger, statuses=statuses, since=start)
-    return replace(result, corrupt_events=tuple(corrupt)) if corrupt else result
+    reading = _Reading(cp.ledger(None))
+    for thread_id in reading.ids(ids, _thread_index.thread_ids(cp) if ids is None else ()):
+        listed = events_for_listing(cp, thread_id)
+        reading.add(thread_id, listed, cp.get_tuple(root_config(thread_id)))
+    return reading.metrics(start)
 
 
 async def arecovery_metrics(
@@ -441,20 +447,8 @@ async def arecovery_metrics(
     methods)."""
     cp = recovery_api(checkpointer)
     ids, start = _ids(thread_ids), _since(since)
-    ledger = await cp.aledger(None)
-    if ids is None:
-        ids = list(
-            dict.fromkeys([*await _thread_index.athread_ids(cp), *(e.thread_id for e in ledger)])
-        )
-    logs: dict[str, list[Event]] = {}
-    statuses: dict[str, ThreadStatus] = {}
-    corrupt: list[str] = []
-    for thread_id in ids:
-        logs[thread_id], skipped = await aevents_for_listing(cp, thread_id)
-        found = await cp.aget_tuple(root_config(thread_id))
-        statuses[thread_id] = listed_thread_info(
-            thread_id, found, logs[thread_id], _own(ledger, thread_id), skipped
-        ).status
-        corrupt.extend(skipped)
-    result = compute_metrics(logs, ledger, statuses=statuses, since=start)
-    return replace(result, corrupt_events=tuple(corrupt)) if corrupt else result
+    reading = _Reading(await cp.aledger(None))
+    for thread_id in reading.ids(ids, await _thread_index.athread_ids(cp) if ids is None else ()):
+        listed = await aevents_for_listing(cp, thread_id)
+        reading.add(thread_id, listed, await cp.aget_tuple(root_config(thread_id)))
+    return reading.metrics(start)

@@ -166,7 +166,8 @@ def _backoff(b: Backoff) -> str:
     )
 
 
-def _effect(spec: SideEffectSpec | None) -> EffectClass:
+def effect_class(spec: SideEffectSpec | None) -> EffectClass:
+    """How a tool's effect can be recovered, from its ``@side_effect`` declaration."""
     if spec is None:
         return "read"
     if spec.precheck is not None:
@@ -174,7 +175,7 @@ def _effect(spec: SideEffectSpec | None) -> EffectClass:
     return "idempotent" if spec.idempotent else "may become uncertain"
 
 
-def _words(decision: RecoveryDecision, policy: ToolPolicy) -> str:
+def _words(decision: RecoveryDecision) -> str:
     action = decision.action
     if action is Action.DEGRADE:
         return f"degrade to {decision.fallback}"
@@ -191,25 +192,24 @@ def _outcome(kind: FailureKind, policy: ToolPolicy) -> str:
     it retries, at each later one (waiting the longest backoff), until it stops retrying."""
     fallback = policy.fallback[0] if policy.fallback else None
     longest = replace(policy, backoff=replace(policy.backoff, jitter=False))
-    attempts, now = 1, 0.0
-    decision = first = decide_recovery(
-        kind=kind, policy=longest, attempts=attempts, first_failed_at=0.0, now=now,
-        next_fallback=fallback,
-    )  # fmt: skip
-    while decision.action is Action.RETRY and decision.retry_at is not None:
-        attempts, now = attempts + 1, decision.retry_at
+    attempts, now, first = 1, 0.0, None
+    while True:
         decision = decide_recovery(
             kind=kind, policy=longest, attempts=attempts, first_failed_at=0.0, now=now,
             next_fallback=fallback,
         )  # fmt: skip
+        first = first or decision
+        if decision.action is not Action.RETRY or decision.retry_at is None:
+            break
+        attempts, now = attempts + 1, decision.retry_at
     if first.action is not Action.RETRY:
-        return _words(first, policy)
+        return _words(first)
     if kind is FailureKind.EXTERNAL_OUTAGE:
         return (
             f"wait and retry (up to {policy.max_attempts} attempts within "
-            f"{policy.wait_window:g}s), then {_words(decision, policy)}"
+            f"{policy.wait_window:g}s), then {_words(decision)}"
         )
-    return f"retry up to {policy.max_attempts} attempts, then {_words(decision, policy)}"
+    return f"retry up to {policy.max_attempts} attempts, then {_words(decision)}"
 
 
 def _uncertain(spec: SideEffectSpec | None, policy: ToolPolicy) -> str:
@@ -234,7 +234,7 @@ def _tool(name: str, executor: RecoveryExecutor) -> ToolRecovery:
     outcomes[FailureKind.SIDE_EFFECT_UNCERTAIN] = _uncertain(spec, policy)
     return ToolRecovery(
         tool=name,
-        effect=_effect(spec),
+        effect=effect_class(spec),
         compensable=spec is not None and spec.compensate is not None,
         confirm_drift=policy.confirm_drift or (spec is not None and spec.confirm_drift),
         max_attempts=policy.max_attempts,

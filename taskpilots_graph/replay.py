@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Literal
@@ -105,22 +105,13 @@ class ReplayStep:
     def as_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
         return {
-            "index": self.index,
-            "seq": self.seq,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
             "at": self.at.isoformat(),
             "kind": self.kind.value,
-            "actor": self.actor,
-            "summary": self.summary,
-            "tool": self.tool,
-            "tool_call_id": self.tool_call_id,
             "args": dict(self.args) if self.args is not None else None,
-            "result": self.result,
             "failure": dict(self.failure) if self.failure is not None else None,
-            "attempt": self.attempt,
-            "key": self.key,
             "calls": [dict(c) for c in self.calls],
             "saw": list(self.saw),
-            "superseded": self.superseded,
             "payload": dict(self.payload),
         }
 
@@ -334,9 +325,8 @@ def replay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
         CorruptRecordError: If a stored event cannot be decoded.
     """
     cp = recovery_api(checkpointer)
-    config = root_config(thread_id)
     events = cp.events(thread_id)
-    if not events and cp.get_tuple(config) is None:
+    if not events and cp.get_tuple(root_config(thread_id)) is None:
         raise ThreadNotFound(thread_id)
     return build_replay(thread_id, events)
 
@@ -344,8 +334,7 @@ def replay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
 async def areplay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
     """Async form of :func:`replay`."""
     cp = recovery_api(checkpointer)
-    config = root_config(thread_id)
     events = await cp.aevents(thread_id)
-    if not events and await cp.aget_tuple(config) is None:
+    if not events and await cp.aget_tuple(root_config(thread_id)) is None:
         raise ThreadNotFound(thread_id)
     return build_replay(thread_id, events)

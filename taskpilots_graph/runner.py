@@ -22,8 +22,8 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
-from langgraph.types import StateSnapshot
 
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
 from taskpilots_graph.agent import lease_source
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import (
@@ -35,13 +35,11 @@ from taskpilots_graph.guard import aguard_thread, guard_thread
 from taskpilots_graph.ledger import LedgerStatus, SideEffectUncertain
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.unfinished import (
-    OrphanOutcome,
     abefore_run,
-    areconcile_orphans,
     before_run,
     has_work,
     orphan_intents,
-    reconcile_orphans,
+    reconcile_steps,
     refuse_takeover,
 )
 
@@ -186,25 +184,6 @@ def _guarded(graph: Pregel[Any, Any]) -> bool:
     return isinstance(graph, RecoveryGraph)
 
 
-def _settle_unstored(thread_id: str, outcomes: list[OrphanOutcome]) -> None:
-    """After reconciling a thread that has ledger entries but no checkpoint: an effect
-    nobody can confirm is handed to a person (named), everything else is settled."""
-    for outcome in outcomes:
-        if outcome.status is LedgerStatus.UNCERTAIN:
-            raise SideEffectUncertain(
-                key=outcome.key,
-                tool=outcome.tool,
-                thread_id=thread_id,
-                reason="the run stopped before its first checkpoint and nothing can tell "
-                "whether the effect happened",
-            )
-
-
-def _has_work(snapshot: StateSnapshot, thread_id: str) -> bool:
-    refuse_takeover(thread_id, snapshot)
-    return has_work(snapshot)
-
-
 def resume(
     graph: Pregel[Any, Any],
     thread_id: str,
@@ -243,25 +222,7 @@ def resume(
     """
     cfg = thread_config(thread_id, config)
     with leased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if cp.get_tuple(cfg) is None:
-            # No checkpoint (durability "exit", a crash before the first one): the ledger
-            # may still hold the thread's intents, and only they can say what happened.
-            if not isinstance(cp, RecoveryAPI) or not cp.ledger(thread_id):
-                raise ThreadNotFound(thread_id)
-            _settle_unstored(thread_id, reconcile_orphans(graph, cp, thread_id))
-            return graph.get_state(cfg).values
-        if isinstance(cp, RecoveryAPI) and orphan_intents(cp.ledger(thread_id)):
-            # Intents the checkpoint may not show (durability "async" and a crash): the
-            # ledger is their only trace. Settled first, the run continues past them.
-            reconcile_orphans(graph, cp, thread_id)
-        snapshot = graph.get_state(cfg)
-        if not _has_work(snapshot, thread_id):
-            return snapshot.values
-        if isinstance(cp, RecoveryAPI):
-            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return graph.invoke(None, cfg, **kwargs)
+        return run_steps(_resume(graph, thread_id, cfg, kwargs))
 
 
 async def aresume(
@@ -275,23 +236,41 @@ async def aresume(
     """Async form of :func:`resume`."""
     cfg = thread_config(thread_id, config)
     async with aleased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if await cp.aget_tuple(cfg) is None:
-            if not isinstance(cp, RecoveryAPI) or not await cp.aledger(thread_id):
-                raise ThreadNotFound(thread_id)
-            _settle_unstored(thread_id, await areconcile_orphans(graph, cp, thread_id))
-            return (await graph.aget_state(cfg)).values
-        if isinstance(cp, RecoveryAPI) and orphan_intents(await cp.aledger(thread_id)):
-            await areconcile_orphans(graph, cp, thread_id)
-        snapshot = await graph.aget_state(cfg)
-        if not _has_work(snapshot, thread_id):
-            return snapshot.values
-        if isinstance(cp, RecoveryAPI):
-            event = await cp.aappend_event(
-                thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
-            )
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        return await graph.ainvoke(None, cfg, **kwargs)
+        return await arun_steps(_resume(graph, thread_id, cfg, kwargs))
+
+
+def _resume(
+    graph: Pregel[Any, Any], thread_id: str, cfg: RunnableConfig, kwargs: dict[str, Any]
+) -> Steps[Any]:
+    cp = graph_saver(graph)
+    if (yield io(cp, "get_tuple", cfg)) is None:
+        # No checkpoint (durability "exit", a crash before the first one): the ledger
+        # may still hold the thread's intents, and only they can say what happened.
+        if not isinstance(cp, RecoveryAPI) or not (yield io(cp, "ledger", thread_id)):
+            raise ThreadNotFound(thread_id)
+        for outcome in (yield from reconcile_steps(graph, cp, thread_id)):
+            if outcome.status is LedgerStatus.UNCERTAIN:  # nobody can confirm it: a person decides
+                raise SideEffectUncertain(
+                    key=outcome.key,
+                    tool=outcome.tool,
+                    thread_id=thread_id,
+                    reason="the run stopped before its first checkpoint and nothing can tell "
+                    "whether the effect happened",
+                )
+        return (yield io(graph, "get_state", cfg)).values
+    if isinstance(cp, RecoveryAPI) and orphan_intents((yield io(cp, "ledger", thread_id))):
+        # Intents the checkpoint may not show (durability "async" and a crash): the
+        # ledger is their only trace. Settled first, the run continues past them.
+        yield from reconcile_steps(graph, cp, thread_id)
+    snapshot = yield io(graph, "get_state", cfg)
+    refuse_takeover(thread_id, snapshot)
+    if not has_work(snapshot):
+        return snapshot.values
+    if isinstance(cp, RecoveryAPI):
+        next_ = {"next": list(snapshot.next)}
+        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, next_)
+        cfg = resumed_config(cfg, event.seq, snapshot)
+    return (yield io(graph, "invoke", None, cfg, **kwargs))
 
 
 # -- rewind ------------------------------------------------------------------------------------
@@ -309,18 +288,6 @@ def _rewind_target(events: list[Event], to: str) -> str:
                 )
             return str(checkpoint_id)
     return to
-
-
-def _fork(cfg: RunnableConfig, checkpoint_id: str) -> RunnableConfig:
-    fork: dict[str, Any] = dict(cfg)
-    fork["configurable"] = {**cfg["configurable"], "checkpoint_id": checkpoint_id}
-    return fork  # type: ignore[return-value]
-
-
-def _superseded(events: list[Event], since: float, to: str, checkpoint_id: str) -> dict[str, Any]:
-    last = events[-1].seq if events else 0
-    first = next((e.seq for e in events if e.ts.timestamp() > since), last + 1)
-    return {"to": to, "checkpoint_id": checkpoint_id, "from_seq": first, "to_seq": last}
 
 
 def rewind(
@@ -346,21 +313,7 @@ def rewind(
     """
     cfg = thread_config(thread_id, config)
     with leased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if not isinstance(cp, RecoveryAPI):
-            raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
-        if cp.get_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        events = cp.events(thread_id)
-        checkpoint_id = _rewind_target(events, to)
-        fork = _fork(cfg, checkpoint_id)
-        target = cp.get_tuple(fork)
-        if target is None:
-            raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
-        since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
-        cp.forget_decisions(thread_id, since=since)
-        cp.append_event(thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id))
-        return graph.invoke(None, fork, **kwargs)
+        return run_steps(_rewind(graph, thread_id, to, cfg, kwargs))
 
 
 async def arewind(
@@ -375,20 +328,28 @@ async def arewind(
     """Async form of :func:`rewind`."""
     cfg = thread_config(thread_id, config)
     async with aleased_thread(graph, thread_id, wait):
-        cp = graph_saver(graph)
-        if not isinstance(cp, RecoveryAPI):
-            raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
-        if await cp.aget_tuple(cfg) is None:
-            raise ThreadNotFound(thread_id)
-        events = await cp.aevents(thread_id)
-        checkpoint_id = _rewind_target(events, to)
-        fork = _fork(cfg, checkpoint_id)
-        target = await cp.aget_tuple(fork)
-        if target is None:
-            raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
-        since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
-        await cp.aforget_decisions(thread_id, since=since)
-        await cp.aappend_event(
-            thread_id, EventKind.REWOUND, _superseded(events, since, to, checkpoint_id)
-        )
-        return await graph.ainvoke(None, fork, **kwargs)
+        return await arun_steps(_rewind(graph, thread_id, to, cfg, kwargs))
+
+
+def _rewind(
+    graph: Pregel[Any, Any], thread_id: str, to: str, cfg: RunnableConfig, kwargs: dict[str, Any]
+) -> Steps[Any]:
+    cp = graph_saver(graph)
+    if not isinstance(cp, RecoveryAPI):
+        raise ConfigurationError("rewind needs a graph compiled with a recovery checkpointer")
+    if (yield io(cp, "get_tuple", cfg)) is None:
+        raise ThreadNotFound(thread_id)
+    events = yield io(cp, "events", thread_id)
+    checkpoint_id = _rewind_target(events, to)
+    fork: dict[str, Any] = dict(cfg)
+    fork["configurable"] = {**cfg["configurable"], "checkpoint_id": checkpoint_id}
+    target = yield io(cp, "get_tuple", fork)
+    if target is None:
+        raise ConfigurationError(f"thread {thread_id!r} has no milestone or checkpoint {to!r}")
+    since = datetime.fromisoformat(target.checkpoint["ts"]).timestamp()
+    yield io(cp, "forget_decisions", thread_id, since=since)
+    last = events[-1].seq if events else 0
+    first = next((e.seq for e in events if e.ts.timestamp() > since), last + 1)
+    superseded = {"to": to, "checkpoint_id": checkpoint_id, "from_seq": first, "to_seq": last}
+    yield io(cp, "append_event", thread_id, EventKind.REWOUND, superseded)
+    return (yield io(graph, "invoke", None, fork, **kwargs))

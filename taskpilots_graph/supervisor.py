@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from langchain_core.runnables import RunnableConfig
@@ -47,6 +47,7 @@ from langgraph.pregel import Pregel
 
 from taskpilots_graph import _clock
 from taskpilots_graph._thread_index import athread_index, thread_index
+from taskpilots_graph._twins import IO, Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.agent import find_executor
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.config import StorageSettings, open_graph
@@ -114,18 +115,7 @@ def recover(
     """
     cfg = thread_config(thread_id, config)
     with leased_thread(graph, thread_id, False):
-        snapshot = graph.get_state(cfg)
-        if not needs_recovery(snapshot, _clock.now()):
-            return False
-        cp = graph.checkpointer
-        if isinstance(cp, RecoveryAPI):
-            payload = resumed_payload(snapshot, attribution)
-            event = cp.append_event(thread_id, EventKind.RUN_RESUMED, payload)
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        # Parking again in waiting_tool until the next retry_at is a normal end of a run.
-        with contextlib.suppress(ToolWaiting):
-            graph.invoke(None, cfg, **kwargs)
-        return True
+        return run_steps(_recover(graph, attribution, cfg, kwargs))
 
 
 async def arecover(
@@ -139,17 +129,25 @@ async def arecover(
     """Async form of :func:`recover`."""
     cfg = thread_config(thread_id, config)
     async with aleased_thread(graph, thread_id, False):
-        snapshot = await graph.aget_state(cfg)
-        if not needs_recovery(snapshot, _clock.now()):
-            return False
-        cp = graph.checkpointer
-        if isinstance(cp, RecoveryAPI):
-            payload = resumed_payload(snapshot, attribution)
-            event = await cp.aappend_event(thread_id, EventKind.RUN_RESUMED, payload)
-            cfg = resumed_config(cfg, event.seq, snapshot)
-        with contextlib.suppress(ToolWaiting):
-            await graph.ainvoke(None, cfg, **kwargs)
-        return True
+        return await arun_steps(_recover(graph, attribution, cfg, kwargs))
+
+
+def _recover(
+    graph: Pregel[Any, Any], why: Attribution | None, cfg: RunnableConfig, kwargs: dict[str, Any]
+) -> Steps[bool]:
+    snapshot = yield io(graph, "get_state", cfg)
+    if not needs_recovery(snapshot, _clock.now()):
+        return False
+    cp = graph.checkpointer
+    if isinstance(cp, RecoveryAPI):
+        payload = resumed_payload(snapshot, why)
+        thread_id = cfg["configurable"]["thread_id"]
+        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, payload)
+        cfg = resumed_config(cfg, event.seq, snapshot)
+    # Parking again in waiting_tool until the next retry_at is a normal end of a run.
+    with contextlib.suppress(ToolWaiting):
+        yield io(graph, "invoke", None, cfg, **kwargs)
+    return True
 
 
 # --- the supervisor ---------------------------------------------------------------------------
@@ -162,14 +160,6 @@ class _Failures:
     next_try: float = 0.0
     error: str = ""
     reported: bool = False
-
-
-@dataclass
-class _Memo:
-    """Per-thread memory between scans (driver state, not a value object)."""
-
-    known: dict[str, tuple[float, ThreadHealth]] = field(default_factory=dict)
-    failures: dict[str, _Failures] = field(default_factory=dict)
 
 
 # Verdicts that stay true until the thread gets a new checkpoint: kept between scans so a
@@ -218,12 +208,14 @@ class Supervisor:
         self.dispatch = dispatch
         self.max_failures = max_failures
         self.failure_backoff = failure_backoff
-        self._memo = _Memo()
+        # Per-thread memory between scans: the last verdicts, and the resumes that failed.
+        self._known: dict[str, tuple[float, ThreadHealth]] = {}
+        self._failures: dict[str, _Failures] = {}
 
     # -- shared bookkeeping (no I/O) ---------------------------------------------------------
 
     def _cached(self, thread_id: str, checkpoint_id: str, now: float) -> ThreadHealth | None:
-        seen = self._memo.known.get(thread_id)
+        seen = self._known.get(thread_id)
         if seen is None:
             return None
         at, health = seen
@@ -234,44 +226,37 @@ class Supervisor:
             return None  # due now: re-read (a resume re-checks under the lease anyway)
         return health
 
-    def _judged(self, health: ThreadHealth, now: float) -> ThreadHealth:
+    def _judged(self, health: ThreadHealth) -> ThreadHealth:
         if health.status in _STABLE:
-            self._memo.known[health.thread_id] = (time.monotonic(), health)
+            self._known[health.thread_id] = (time.monotonic(), health)
         else:
-            self._memo.known.pop(health.thread_id, None)
-        failing = self._memo.failures.get(health.thread_id)
+            self._known.pop(health.thread_id, None)
+        failing = self._failures.get(health.thread_id)
         if failing is None:
             return health
         if failing.checkpoint_id != health.checkpoint_id or not health.recoverable:
-            del self._memo.failures[health.thread_id]  # it moved on: a fresh start
+            del self._failures[health.thread_id]  # it moved on: a fresh start
             return health
-        if failing.count >= self.max_failures:
-            return ThreadHealth(
-                health.thread_id,
-                HealthStatus.FAILING,
-                health.checkpoint_id,
-                attribution=health.attribution,
-                error=failing.error,
-            )
+        if failing.count >= self.max_failures:  # given up on until it moves
+            return replace(health, status=HealthStatus.FAILING, retry_at=None, error=failing.error)
         return health
 
     def _may_try(self, health: ThreadHealth, now: float) -> bool:
-        failing = self._memo.failures.get(health.thread_id)
+        failing = self._failures.get(health.thread_id)
         return health.recoverable and (failing is None or now >= failing.next_try)
 
-    def _failed(self, health: ThreadHealth, exc: BaseException, now: float) -> _Failures | None:
-        """Count a failed resume; the record to report once it is given up on."""
-        failing = self._memo.failures.setdefault(health.thread_id, _Failures(health.checkpoint_id))
+    def _failed(
+        self, health: ThreadHealth, exc: BaseException, now: float
+    ) -> dict[str, Any] | None:
+        """Count a failed resume; the ``stuck_detected`` payload once it is given up on."""
+        failing = self._failures.setdefault(health.thread_id, _Failures(health.checkpoint_id))
         failing.count += 1
         failing.error = f"{type(exc).__name__}: {exc}"[:2000]
         failing.next_try = now + self.failure_backoff * 2 ** (failing.count - 1)
         _log.warning("resuming thread %r failed: %s", health.thread_id, failing.error)
-        if failing.count >= self.max_failures and not failing.reported:
-            failing.reported = True
-            return failing
-        return None
-
-    def _stuck_payload(self, health: ThreadHealth, failing: _Failures) -> dict[str, Any]:
+        if failing.count < self.max_failures or failing.reported:
+            return None
+        failing.reported = True
         return {
             "by": "supervisor",
             "reason": f"recovery failed {failing.count} times",
@@ -279,7 +264,7 @@ class Supervisor:
             "attribution": health.attribution.payload() if health.attribution else None,
         }
 
-    # -- sync driver -------------------------------------------------------------------------
+    # -- the scan, one body for the sync and the async form ---------------------------------
 
     def check(self) -> list[ThreadHealth]:
         """The health check: every thread of the checkpointer and what it is doing.
@@ -288,36 +273,52 @@ class Supervisor:
             LockBackendUnavailable: The lease backend is unreachable: liveness cannot be
                 judged, so nothing is reported recoverable (fail closed).
         """
+        return run_steps(self._check())
+
+    async def acheck(self) -> list[ThreadHealth]:
+        """Async form of :meth:`check`."""
+        return await arun_steps(self._check())
+
+    def tick(self) -> ScanReport:
+        """One scan: the health check, then a resume (or dispatch) of each recoverable thread."""
+        return run_steps(self._tick())
+
+    async def atick(self) -> ScanReport:
+        """Async form of :meth:`tick` (resumes run one after the other)."""
+        return await arun_steps(self._tick())
+
+    def _check(self) -> Steps[list[ThreadHealth]]:
         checkpointer = self.graph.checkpointer
         if checkpointer is None or isinstance(checkpointer, bool):
             raise ConfigurationError("the supervisor needs a graph compiled with a checkpointer")
         now = _clock.now()
         found: list[ThreadHealth] = []
-        for thread_id, checkpoint_id in sorted(thread_index(checkpointer).items()):
+        index = yield both(thread_index, athread_index, checkpointer)
+        for thread_id, checkpoint_id in sorted(index.items()):
             cached = self._cached(thread_id, checkpoint_id, now)
             if cached is not None:
-                found.append(self._judged(cached, now))
+                found.append(self._judged(cached))
                 continue
-            holder = self.leases.holder(thread_lease_name(thread_id))
+            holder = yield io(self.leases, "holder", thread_lease_name(thread_id))
             if holder is not None:
                 found.append(
                     ThreadHealth(thread_id, HealthStatus.RUNNING, checkpoint_id, holder.owner)
                 )
                 continue
             try:
-                snapshot = self.graph.get_state(thread_config(thread_id, None))
+                snapshot = yield io(self.graph, "get_state", thread_config(thread_id, None))
             except Exception as exc:  # one unreadable thread must not blind the supervisor
                 found.append(unreadable_health(thread_id, checkpoint_id, exc))
                 continue
             health = thread_health(thread_id, snapshot, agent=self.agent, now=now)
             if health.status is HealthStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
-                health = with_effect_in_flight(health, checkpointer.ledger(thread_id))
-            found.append(self._judged(health, now))
+                entries = yield io(checkpointer, "ledger", thread_id)
+                health = with_effect_in_flight(health, entries)
+            found.append(self._judged(health))
         return found
 
-    def tick(self) -> ScanReport:
-        """One scan: the health check, then a resume (or dispatch) of each recoverable thread."""
-        threads = self.check()
+    def _tick(self) -> Steps[ScanReport]:
+        threads = yield from self._check()
         now = _clock.now()
         resumed: list[str] = []
         dispatched: list[str] = []
@@ -328,13 +329,13 @@ class Supervisor:
                 continue
             tid = health.thread_id
             if self.dispatch is not None:
-                self.dispatch(
-                    tid, health.attribution or Attribution(tid, "worker_lost", self.agent)
-                )
+                why = health.attribution or Attribution(tid, "worker_lost", self.agent)
+                # The async form awaits a coroutine function's outcome.
+                yield both(self.dispatch, self.dispatch, tid, why)
                 dispatched.append(tid)
                 continue
             try:
-                if recover(self.graph, tid, health.attribution):
+                if (yield both(recover, arecover, self.graph, tid, health.attribution)):
                     resumed.append(tid)
             except ThreadBusy:
                 busy.append(tid)
@@ -342,83 +343,9 @@ class Supervisor:
                 raise  # the lease backend is down: the whole tick fails closed
             except Exception as exc:
                 failed.append((tid, f"{type(exc).__name__}: {exc}"))
-                if (failing := self._failed(health, exc, now)) is not None:
-                    self._record_stuck(health, failing)
-        return ScanReport(
-            tuple(threads), tuple(resumed), tuple(dispatched), tuple(busy), tuple(failed)
-        )
-
-    def _record_stuck(self, health: ThreadHealth, failing: _Failures) -> None:
-        cp = self.graph.checkpointer
-        if isinstance(cp, RecoveryAPI):
-            payload = self._stuck_payload(health, failing)
-            cp.append_event(health.thread_id, EventKind.STUCK_DETECTED, payload)
-
-    # -- async driver ------------------------------------------------------------------------
-
-    async def acheck(self) -> list[ThreadHealth]:
-        """Async form of :meth:`check`."""
-        checkpointer = self.graph.checkpointer
-        if checkpointer is None or isinstance(checkpointer, bool):
-            raise ConfigurationError("the supervisor needs a graph compiled with a checkpointer")
-        now = _clock.now()
-        found: list[ThreadHealth] = []
-        for thread_id, checkpoint_id in sorted((await athread_index(checkpointer)).items()):
-            cached = self._cached(thread_id, checkpoint_id, now)
-            if cached is not None:
-                found.append(self._judged(cached, now))
-                continue
-            holder = await self.leases.aholder(thread_lease_name(thread_id))
-            if holder is not None:
-                found.append(
-                    ThreadHealth(thread_id, HealthStatus.RUNNING, checkpoint_id, holder.owner)
-                )
-                continue
-            try:
-                snapshot = await self.graph.aget_state(thread_config(thread_id, None))
-            except Exception as exc:  # one unreadable thread must not blind the supervisor
-                found.append(unreadable_health(thread_id, checkpoint_id, exc))
-                continue
-            health = thread_health(thread_id, snapshot, agent=self.agent, now=now)
-            if health.status is HealthStatus.ORPHANED and isinstance(checkpointer, RecoveryAPI):
-                health = with_effect_in_flight(health, await checkpointer.aledger(thread_id))
-            found.append(self._judged(health, now))
-        return found
-
-    async def atick(self) -> ScanReport:
-        """Async form of :meth:`tick` (resumes run one after the other)."""
-        threads = await self.acheck()
-        now = _clock.now()
-        resumed: list[str] = []
-        dispatched: list[str] = []
-        busy: list[str] = []
-        failed: list[tuple[str, str]] = []
-        for health in threads:
-            if not self._may_try(health, now):
-                continue
-            tid = health.thread_id
-            if self.dispatch is not None:
-                outcome = self.dispatch(
-                    tid, health.attribution or Attribution(tid, "worker_lost", self.agent)
-                )
-                if asyncio.iscoroutine(outcome):
-                    await outcome
-                dispatched.append(tid)
-                continue
-            try:
-                if await arecover(self.graph, tid, health.attribution):
-                    resumed.append(tid)
-            except ThreadBusy:
-                busy.append(tid)
-            except LockBackendUnavailable:
-                raise
-            except Exception as exc:
-                failed.append((tid, f"{type(exc).__name__}: {exc}"))
-                if (failing := self._failed(health, exc, now)) is not None:
-                    cp = self.graph.checkpointer
-                    if isinstance(cp, RecoveryAPI):
-                        payload = self._stuck_payload(health, failing)
-                        await cp.aappend_event(tid, EventKind.STUCK_DETECTED, payload)
+                cp = self.graph.checkpointer
+                if (stuck := self._failed(health, exc, now)) and isinstance(cp, RecoveryAPI):
+                    yield io(cp, "append_event", tid, EventKind.STUCK_DETECTED, stuck)
         return ScanReport(
             tuple(threads), tuple(resumed), tuple(dispatched), tuple(busy), tuple(failed)
         )
@@ -427,7 +354,7 @@ class Supervisor:
 # --- the loop ---------------------------------------------------------------------------------
 
 
-def _check_interval(interval: float) -> None:
+def check_interval(interval: float) -> None:
     if not interval > 0:
         raise ConfigurationError(f"interval must be > 0 seconds, got {interval!r}")
 
@@ -461,23 +388,11 @@ def supervise(
         LockBackendUnavailable: With ``once``, when the lease backend is unreachable; the
             loop instead logs it and tries again next interval.
     """
-    _check_interval(interval)
+    check_interval(interval)
     supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
     stop = stop or threading.Event()
-    report = ScanReport()
-    while True:
-        try:
-            report = supervisor.tick()
-        except StorageError as exc:
-            if once:
-                raise
-            _log.warning("supervisor scan failed, retrying in %g s: %s", interval, exc)
-        else:
-            _log.info("supervisor scan: %s", report.summary())
-            if on_report is not None:
-                on_report(report)
-        if once or stop.wait(interval):
-            return report
+    stopped = both(stop.wait, stop.wait, interval)
+    return run_steps(_loop(supervisor, interval, once, stopped, on_report))
 
 
 async def asupervise(
@@ -491,13 +406,33 @@ async def asupervise(
     max_failures: int = 3,
 ) -> ScanReport:
     """Async form of :func:`supervise` (``dispatch`` may be a coroutine function)."""
-    _check_interval(interval)
+    check_interval(interval)
     supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
-    stop = stop or asyncio.Event()
+    stopped = both(stopped_within, stopped_within, stop or asyncio.Event(), interval)
+    return await arun_steps(_loop(supervisor, interval, once, stopped, on_report))
+
+
+async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    """Whether ``stop`` is set within ``seconds``."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _loop(
+    supervisor: Supervisor,
+    interval: float,
+    once: bool,
+    stopped: IO,
+    on_report: Callable[[ScanReport], None] | None,
+) -> Steps[ScanReport]:
+    """The scans of :func:`supervise`; ``stopped`` waits ``interval`` for the stop signal."""
     report = ScanReport()
     while True:
         try:
-            report = await supervisor.atick()
+            report = yield from supervisor._tick()
         except StorageError as exc:
             if once:
                 raise
@@ -506,13 +441,8 @@ async def asupervise(
             _log.info("supervisor scan: %s", report.summary())
             if on_report is not None:
                 on_report(report)
-        if once:
+        if once or (yield stopped):
             return report
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except TimeoutError:
-            continue
-        return report
 
 
 def serve_supervisor(
@@ -540,7 +470,7 @@ def serve_supervisor(
         stop: Set it to end the loop.
         on_report: Called with each scan's report.
     """
-    _check_interval(interval)
+    check_interval(interval)
     settings = StorageSettings.resolve(db=db, leases=leases)
     with open_graph(graph_ref, settings) as graph:
         return supervise(graph, interval=interval, once=once, stop=stop, on_report=on_report)

@@ -19,17 +19,17 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool, StructuredTool
+from langchain_core.tools import BaseTool
 
 from taskpilots_graph import _clock
-from taskpilots_graph.tools import SideEffectTool
+from taskpilots_graph.tools import SideEffectTool, twin
 
 __all__ = [
     "FakeClock",
@@ -122,21 +122,7 @@ class FaultyTool:
                 raise _make(self._exc)
             return result
 
-        wrapped: BaseTool = StructuredTool(
-            name=inner.name,
-            description=inner.description,
-            args_schema=inner.args_schema or inner.get_input_schema(),
-            func=run,
-        )
-        if isinstance(original, SideEffectTool):
-            wrapped = SideEffectTool(
-                name=original.name,
-                description=original.description,
-                args_schema=original.args_schema,
-                tool=wrapped,
-                spec=original.spec,
-            )
-        self.tool = wrapped
+        self.tool = twin(original, run)
 
 
 def failing(tool: BaseTool, *, times: int, exc: ExcFactory) -> FaultyTool:
@@ -196,7 +182,27 @@ def answered_calls(messages: Sequence[BaseMessage]) -> int:
     return done
 
 
-class ScriptedModel(BaseChatModel):
+class _ConversationModel(BaseChatModel):
+    """A chat model that answers from the conversation alone (``_next``), offline."""
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Self:
+        """Tools are named by the script; binding changes nothing."""
+        return self
+
+    def _next(self, messages: list[BaseMessage]) -> AIMessage:
+        raise NotImplementedError
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return ChatResult(generations=[ChatGeneration(message=self._next(messages))])
+
+
+class ScriptedModel(_ConversationModel):
     """A chat model that calls the planned tools one after the other, then answers.
 
     It stands in for an LLM in examples and tests (no network, no key). Like a real model it
@@ -217,22 +223,10 @@ class ScriptedModel(BaseChatModel):
     def _llm_type(self) -> str:
         return "taskpilots-scripted"
 
-    def bind_tools(self, tools: Any, **kwargs: Any) -> ScriptedModel:
-        """Tools are named in the plan; binding changes nothing."""
-        return self
-
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
+    def _next(self, messages: list[BaseMessage]) -> AIMessage:
         done = answered_calls(messages)
         if done >= len(self.plan):
-            message = AIMessage(self.answer)
-        else:
-            name, args = self.plan[done]
-            call_id = f"call_{uuid.uuid4().hex[:16]}"
-            message = AIMessage("", tool_calls=[{"name": name, "args": dict(args), "id": call_id}])
-        return ChatResult(generations=[ChatGeneration(message=message)])
+            return AIMessage(self.answer)
+        name, args = self.plan[done]
+        call_id = f"call_{uuid.uuid4().hex[:16]}"
+        return AIMessage("", tool_calls=[{"name": name, "args": dict(args), "id": call_id}])

@@ -38,10 +38,11 @@ threads that have only events are found only when named in ``thread_ids``.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
@@ -74,24 +75,15 @@ __all__ = [
 ]
 
 ThreadStatus = Literal["running", "waiting_tool", "awaiting_human", "closed", "failed"]
-THREAD_STATUSES: tuple[ThreadStatus, ...] = (
-    "running",
-    "waiting_tool",
-    "awaiting_human",
-    "closed",
-    "failed",
-)
+THREAD_STATUSES: tuple[ThreadStatus, ...] = get_args(ThreadStatus)
 
 _INTERRUPT = "__interrupt__"
 _EVENTS_TABLE = "taskpilots_events"
 _log = logging.getLogger(__name__)
+# A run compensating effects counts as running; every other stage is its own status.
 _STAGE_STATUS: Mapping[str, ThreadStatus] = {
-    "running": "running",
+    **{status: status for status in THREAD_STATUSES},
     "compensating": "running",
-    "waiting_tool": "waiting_tool",
-    "awaiting_human": "awaiting_human",
-    "closed": "closed",
-    "failed": "failed",
 }
 
 
@@ -313,9 +305,7 @@ def describe_thread(
     elif intended and status in ("closed", "failed"):
         status = "running"
         reason = _unsettled_reason("not reconciled", intended)
-    counts = dict.fromkeys(EventKind, 0)
-    for event in events:
-        counts[event.kind] += 1
+    counts = Counter(event.kind for event in events)
     last = events[-1] if events else None
     checkpoint_ts = found.checkpoint.get("ts") if found is not None else None
     step = (found.metadata or {}).get("step") if found is not None else None

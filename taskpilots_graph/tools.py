@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypedDict, Unpack, overload
 
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.runnables import RunnableConfig
-from langchain_core.tools import BaseTool
+from langchain_core.tools import BaseTool, StructuredTool
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from taskpilots_graph.drift import placeholder, unserialisable
@@ -75,6 +75,13 @@ def current_invocation() -> Invocation:
             f"the ledger: {_LEDGER_RUNNERS}"
         )
     return inv
+
+
+def invocation_key() -> str | None:
+    """The key of the invocation being executed, or ``None`` outside the ledger (a tool run
+    by LangGraph's own ``ToolNode`` has none)."""
+    inv = _CURRENT.get()
+    return inv.key if inv is not None else None
 
 
 _LEDGER_RUNNERS = (
@@ -180,44 +187,60 @@ def check_args(tool: BaseTool, args: Mapping[str, Any]) -> None:
             raise
 
 
+def twin(
+    original: BaseTool,
+    func: Callable[..., Any],
+    coroutine: Callable[..., Awaitable[Any]] | None = None,
+) -> BaseTool:
+    """A tool with the name, description and schema of ``original`` that runs ``func`` (and
+    ``coroutine``); a ``@side_effect`` declaration of ``original`` is kept."""
+    inner = original.tool if isinstance(original, SideEffectTool) else original
+    wrapped: BaseTool = StructuredTool(
+        name=inner.name,
+        description=inner.description,
+        args_schema=inner.args_schema or inner.get_input_schema(),
+        func=func,
+        coroutine=coroutine,
+    )
+    if isinstance(original, SideEffectTool):
+        wrapped = SideEffectTool(
+            name=original.name,
+            description=original.description,
+            args_schema=original.args_schema,
+            tool=wrapped,
+            spec=original.spec,
+        )
+    return wrapped
+
+
 def spec_of(tool: BaseTool) -> SideEffectSpec | None:
     """The side-effect declaration of ``tool``, or ``None`` for a pure tool."""
     return tool.spec if isinstance(tool, SideEffectTool) else None
 
 
+class _Options(TypedDict, total=False):
+    """The options of :func:`side_effect`, for its typed overloads."""
+
+    precheck: Precheck | None
+    compensate: Compensate | None
+    idempotent: bool
+    key: KeyFn | None
+    lock: LockFn | None
+    confirm_drift: bool
+    drift_comparator: Callable[[Any, Any], bool] | None
+    not_sent: tuple[type[BaseException], ...]
+    repeatable: bool
+    precheck_timeout: float | None
+    compensate_precheck: CompensatePrecheck | None
+
+
 @overload
-def side_effect(
-    tool: BaseTool,
-    *,
-    precheck: Precheck | None = ...,
-    compensate: Compensate | None = ...,
-    idempotent: bool = ...,
-    key: KeyFn | None = ...,
-    lock: LockFn | None = ...,
-    confirm_drift: bool = ...,
-    drift_comparator: Callable[[Any, Any], bool] | None = ...,
-    not_sent: tuple[type[BaseException], ...] = ...,
-    repeatable: bool = ...,
-    precheck_timeout: float | None = ...,
-    compensate_precheck: CompensatePrecheck | None = ...,
-) -> SideEffectTool: ...
+def side_effect(tool: BaseTool, **options: Unpack[_Options]) -> SideEffectTool: ...
 
 
 @overload
 def side_effect(
-    tool: None = None,
-    *,
-    precheck: Precheck | None = ...,
-    compensate: Compensate | None = ...,
-    idempotent: bool = ...,
-    key: KeyFn | None = ...,
-    lock: LockFn | None = ...,
-    confirm_drift: bool = ...,
-    drift_comparator: Callable[[Any, Any], bool] | None = ...,
-    not_sent: tuple[type[BaseException], ...] = ...,
-    repeatable: bool = ...,
-    precheck_timeout: float | None = ...,
-    compensate_precheck: CompensatePrecheck | None = ...,
+    tool: None = None, **options: Unpack[_Options]
 ) -> Callable[[BaseTool], SideEffectTool]: ...
 
 

@@ -39,7 +39,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from langchain_core.messages import ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
@@ -47,6 +47,7 @@ from langchain_core.tools import BaseTool
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine import AsyncDriver, CallContext, Driver, call_context
 from taskpilots_graph.engine._protocol import settle_orphan
@@ -77,6 +78,8 @@ __all__ = [
 
 MAX_ROUNDS = 4
 """Continuations of left-over work before new input runs (each may stop on a new wait)."""
+
+T = TypeVar("T")
 
 
 # -- orphan intents, from the ledger alone ---------------------------------------------------
@@ -140,21 +143,6 @@ _SETTLED = {
 }
 
 
-def _orphans(
-    graph: Any, tools: Mapping[str, BaseTool] | None, entries: Sequence[LedgerEntry]
-) -> list[tuple[LedgerEntry, SideEffectSpec | None]]:
-    """The orphan intents among ``entries``, each with its tool's side-effect spec (``None``
-    for a tool not at hand: nothing here can ask about it)."""
-    orphans = orphan_intents(entries)
-    if not orphans:
-        return []
-    if tools is None:
-        from taskpilots_graph.tool_tables import graph_tools
-
-        tools = graph_tools(graph)
-    return [(e, spec_of(t) if (t := tools.get(e.tool)) is not None else None) for e in orphans]
-
-
 def reconcile_orphans(
     graph: Any, cp: RecoveryAPI, thread_id: str, *, tools: Mapping[str, BaseTool] | None = None
 ) -> list[OrphanOutcome]:
@@ -168,29 +156,36 @@ def reconcile_orphans(
     anything else is ``uncertain``. An entry of a tool this graph does not have is left.
     ``tools`` (by name) stands in for the graph's where the caller has them at hand.
     """
-    outcomes = []
-    for entry, spec in _orphans(graph, tools, cp.ledger(thread_id)):
-        if spec is None:
-            outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
-            continue
-        # Nothing runs and no intent is written: no tool, lease or lock is involved.
-        driver = Driver(cp, thread_id, cp.lease_backend, 30.0, None)
-        label = driver.drive(settle_orphan(_orphan_context(entry, spec), entry))
-        outcomes.append(OrphanOutcome(entry.key, entry.tool, _SETTLED[label], label))
-    return outcomes
+    return run_steps(reconcile_steps(graph, cp, thread_id, tools))
 
 
 async def areconcile_orphans(
     graph: Any, cp: RecoveryAPI, thread_id: str, *, tools: Mapping[str, BaseTool] | None = None
 ) -> list[OrphanOutcome]:
     """Async form of :func:`reconcile_orphans`."""
+    return await arun_steps(reconcile_steps(graph, cp, thread_id, tools))
+
+
+def reconcile_steps(
+    graph: Any, cp: RecoveryAPI, thread_id: str, tools: Mapping[str, BaseTool] | None = None
+) -> Steps[list[OrphanOutcome]]:
+    """The body of :func:`reconcile_orphans` (see :func:`run_steps`)."""
+    orphans = orphan_intents((yield io(cp, "ledger", thread_id)))
+    if orphans and tools is None:
+        from taskpilots_graph.tool_tables import graph_tools
+
+        tools = graph_tools(graph)
     outcomes = []
-    for entry, spec in _orphans(graph, tools, await cp.aledger(thread_id)):
-        if spec is None:
+    for entry in orphans:
+        tool = (tools or {}).get(entry.tool)
+        if tool is None or (spec := spec_of(tool)) is None:  # nothing here can ask about it
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
-        driver = AsyncDriver(cp, thread_id, cp.alease_backend, 30.0, None)
-        label = await driver.drive(settle_orphan(_orphan_context(entry, spec), entry))
+        # Nothing runs and no intent is written: no tool, lease or lock is involved.
+        driver = Driver(cp, thread_id, cp.lease_backend, 30.0, None)
+        adriver = AsyncDriver(cp, thread_id, cp.alease_backend, 30.0, None)
+        protocol = settle_orphan(_orphan_context(entry, spec), entry)
+        label = yield both(driver.drive, adriver.drive, protocol)
         outcomes.append(OrphanOutcome(entry.key, entry.tool, _SETTLED[label], label))
     return outcomes
 
@@ -278,7 +273,7 @@ def _answer_text(call: ToolCall, record: Mapping[str, Any], due: float | None) -
         return (
             f"Not done: {call['name']} was waiting to be retried at {_when(retry_at)}"
             f"{why}; that retry was dropped when a new message arrived. "
-            "Call it again if it is still needed."
+            "IO it again if it is still needed."
         )
     return f"Not done: {call['name']} had no result when a new message arrived{why}."
 
@@ -321,18 +316,12 @@ def _with_answers(
 
 
 def _closed_event(thread_id: str, answers: list[ToolMessage]) -> EventRecord:
-    return prepare_event(
-        thread_id,
-        EventKind.CALLS_CLOSED,
-        {
-            "calls": [
-                {"tool_call_id": m.tool_call_id, "tool": m.name, "answer": str(m.content)[:200]}
-                for m in answers
-            ]
-        },
-        checkpoint_id=None,
-        checkpoint_ns="",
-    )
+    calls = [
+        {"tool_call_id": m.tool_call_id, "tool": m.name, "answer": str(m.content)[:200]}
+        for m in answers
+    ]
+    kind = EventKind.CALLS_CLOSED
+    return prepare_event(thread_id, kind, {"calls": calls}, checkpoint_id=None, checkpoint_ns="")
 
 
 def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
@@ -346,96 +335,53 @@ def before_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
         PendingTakeover: A person must answer the thread's takeover first (``tp.decide``).
         SideEffectUncertain: An effect of the thread is uncertain and nobody is asked.
     """
-    if _skip(graph, config, input):
-        return input
-    cp = cast(RecoveryAPI, graph.checkpointer)
-    thread_id = str(config["configurable"]["thread_id"])
-    entries = cp.ledger(thread_id)
-    # Orphans first: once settled, whatever the continued run decides about the same
-    # effect meets a settled entry (and the repeat guard), not an open one.
-    changed = bool(orphan_intents(entries)) and bool(reconcile_orphans(graph, cp, thread_id))
-    due: float | None = None
-    snapshot = graph.get_state(config)
-    for _ in range(MAX_ROUNDS):
-        refuse_takeover(thread_id, snapshot)
-        if not has_work(snapshot):
-            break
-        due = _retry_at(snapshot, cp.events(thread_id) if _waits_in_log(snapshot) else ())
-        if due is not None and due > _clock.now():
-            break
-        event = cp.append_event(thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)})
-        with contextlib.suppress(ToolWaiting):  # its open call is answered below
-            _invoke(graph, None, resumed_config(config, event.seq, snapshot))
-        changed = True
-        snapshot = graph.get_state(config)
-    if changed:
-        entries = cp.ledger(thread_id)
-        if orphan_intents(entries):
-            reconcile_orphans(graph, cp, thread_id)
-            entries = cp.ledger(thread_id)
-    refuse_takeover(thread_id, snapshot)
-    if _any_uncertain(entries):
-        _refuse_uncertain(thread_id, entries, cp.events(thread_id))
-    answers, closed = _open_calls(snapshot, due)
-    if answers:
-        cp.append_records([_closed_event(thread_id, answers)])
-    return _with_answers(graph, input, answers, closed)
+    return input if _skip(graph, config, input) else run_steps(_settle(graph, config, input))
 
 
 async def abefore_run(graph: Any, config: RunnableConfig, input: Any) -> Any:
     """Async form of :func:`before_run`."""
     if _skip(graph, config, input):
         return input
+    return await arun_steps(_settle(graph, config, input))
+
+
+def _settle(graph: Any, config: RunnableConfig, input: Any) -> Steps[Any]:
     cp = cast(RecoveryAPI, graph.checkpointer)
     thread_id = str(config["configurable"]["thread_id"])
-    entries = await cp.aledger(thread_id)
-    changed = bool(orphan_intents(entries)) and bool(await areconcile_orphans(graph, cp, thread_id))
+    entries = yield io(cp, "ledger", thread_id)
+    # Orphans first: once settled, whatever the continued run decides about the same
+    # effect meets a settled entry (and the repeat guard), not an open one.
+    changed = bool(orphan_intents(entries)) and bool(
+        (yield from reconcile_steps(graph, cp, thread_id))
+    )
     due: float | None = None
-    snapshot = await graph.aget_state(config)
+    snapshot = yield io(graph, "get_state", config)
     for _ in range(MAX_ROUNDS):
         refuse_takeover(thread_id, snapshot)
         if not has_work(snapshot):
             break
-        log = await cp.aevents(thread_id) if _waits_in_log(snapshot) else ()
+        # Without the recovery agent's flow layer a wait can only be read from the log.
+        log = (yield io(cp, "events", thread_id)) if "flow" not in (snapshot.values or {}) else ()
         due = _retry_at(snapshot, log)
         if due is not None and due > _clock.now():
             break
-        event = await cp.aappend_event(
-            thread_id, EventKind.RUN_RESUMED, {"next": list(snapshot.next)}
-        )
-        with contextlib.suppress(ToolWaiting):
-            await _ainvoke(graph, None, resumed_config(config, event.seq, snapshot))
+        next_ = {"next": list(snapshot.next)}
+        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, next_)
+        # A guarded graph's own invoke: its guard is re-entrant, and ``None`` input passes
+        # through this module unchanged, so this does not recurse.
+        with contextlib.suppress(ToolWaiting):  # its open call is answered below
+            yield io(graph, "invoke", None, resumed_config(config, event.seq, snapshot))
         changed = True
-        snapshot = await graph.aget_state(config)
+        snapshot = yield io(graph, "get_state", config)
     if changed:
-        entries = await cp.aledger(thread_id)
+        entries = yield io(cp, "ledger", thread_id)
         if orphan_intents(entries):
-            await areconcile_orphans(graph, cp, thread_id)
-            entries = await cp.aledger(thread_id)
+            yield from reconcile_steps(graph, cp, thread_id)
+            entries = yield io(cp, "ledger", thread_id)
     refuse_takeover(thread_id, snapshot)
-    if _any_uncertain(entries):
-        _refuse_uncertain(thread_id, entries, await cp.aevents(thread_id))
+    if any(e.status is LedgerStatus.UNCERTAIN for e in entries):
+        _refuse_uncertain(thread_id, entries, (yield io(cp, "events", thread_id)))
     answers, closed = _open_calls(snapshot, due)
     if answers:
-        await cp.aappend_records([_closed_event(thread_id, answers)])
+        yield io(cp, "append_records", [_closed_event(thread_id, answers)])
     return _with_answers(graph, input, answers, closed)
-
-
-def _waits_in_log(snapshot: StateSnapshot) -> bool:
-    """Whether a wait for a tool can only be read from the event log (a graph without the
-    recovery agent's flow layer: ``create_agent`` with ``RecoveryMiddleware``)."""
-    return "flow" not in (snapshot.values or {})
-
-
-def _any_uncertain(entries: Sequence[LedgerEntry]) -> bool:
-    return any(e.status is LedgerStatus.UNCERTAIN for e in entries)
-
-
-def _invoke(graph: Any, input: Any, config: RunnableConfig) -> Any:
-    # A guarded graph's own invoke: its guard is re-entrant, and ``None`` input passes
-    # through this module unchanged, so this does not recurse.
-    return graph.invoke(input, config)
-
-
-async def _ainvoke(graph: Any, input: Any, config: RunnableConfig) -> Any:
-    return await graph.ainvoke(input, config)

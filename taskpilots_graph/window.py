@@ -42,6 +42,7 @@ from taskpilots_graph.compression import (
     DEFAULT_SUMMARY_CHARS,
     DEFAULT_THRESHOLD_BYTES,
     Summarizer,
+    check_int,
     structural_summary,
 )
 from taskpilots_graph.conversation import grew_from
@@ -197,12 +198,9 @@ class MemoryWindow:
             )
         if self.max_tokens is None:
             raise ConfigurationError(f"MemoryWindow needs max_tokens=N: {_NO_BUDGET}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ConfigurationError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.keep_turns) or self.keep_turns < 1:
-            raise ConfigurationError(f"keep_turns must be an int >= 1, got {self.keep_turns!r}")
-        if not _is_int(self.line_chars) or self.line_chars < 20:
-            raise ConfigurationError(f"line_chars must be an int >= 20, got {self.line_chars!r}")
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("keep_turns", self.keep_turns, 1)
+        check_int("line_chars", self.line_chars, 20)
         if self.token_counter is not None and not callable(self.token_counter):
             raise ConfigurationError("token_counter must be callable")
 
@@ -211,10 +209,6 @@ class MemoryWindow:
         """``max_tokens``, known to be set once the window is built."""
         assert self.max_tokens is not None
         return self.max_tokens
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- token counting ---------------------------------------------------------------------------

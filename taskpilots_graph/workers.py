@@ -37,7 +37,7 @@ from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.errors import ConfigurationError, StorageError, ThreadBusy, ToolWaiting
 from taskpilots_graph.health import Attribution, ScanReport
 from taskpilots_graph.runner import leased_thread, thread_config
-from taskpilots_graph.supervisor import Supervisor, recover
+from taskpilots_graph.supervisor import Supervisor, check_interval, recover, stopped_within
 
 try:
     import procrastinate
@@ -126,8 +126,7 @@ def setup_queue(db_url: str | None = None) -> None:
         try:
             exists = conn.execute("SELECT to_regclass('procrastinate_jobs')").fetchone()
             if exists is None or exists[0] is None:
-                schema = SchemaManager.get_schema()
-                conn.execute(schema)
+                conn.execute(SchemaManager.get_schema())
         finally:
             conn.execute("SELECT pg_advisory_unlock(%s)", (_SETUP_LOCK,))
 
@@ -135,34 +134,18 @@ def setup_queue(db_url: str | None = None) -> None:
 # --- enqueueing -------------------------------------------------------------------------------
 
 
-def _resume_lock(thread_id: str) -> str:
-    return f"taskpilots-resume:{thread_id}"
-
-
-def _run_job_options(thread_id: str) -> dict[str, Any]:
-    return {"lock": thread_id, "queue": QUEUE}
-
-
-def _resume_options(thread_id: str) -> dict[str, Any]:
-    return {
-        **_run_job_options(thread_id),
-        "queueing_lock": _resume_lock(thread_id),
-        "priority": _RECOVERY_PRIORITY,
-    }
-
-
-def _input_kwargs(graph_ref: str, thread_id: str, input: Any) -> dict[str, Any]:
+def _job(
+    app: procrastinate.App, graph_ref: str, thread_id: str, resume: bool, **kwargs: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The run task configured for ``thread_id``, and the job's arguments. A resume is queued
+    at most once at a time, ahead of runs that start threads."""
     thread_config(thread_id, None)  # validates the thread id
-    marker = secrets.token_hex(12)
-    return {"graph": graph_ref, "thread_id": thread_id, "input": input, "marker": marker}
-
-
-def _resume_kwargs(
-    graph_ref: str, thread_id: str, attribution: Attribution | None
-) -> dict[str, Any]:
-    thread_config(thread_id, None)
-    why = attribution.payload() if attribution is not None else None
-    return {"graph": graph_ref, "thread_id": thread_id, "attribution": why}
+    options: dict[str, Any] = {"lock": thread_id, "queue": QUEUE}
+    if resume:
+        options["queueing_lock"] = f"taskpilots-resume:{thread_id}"
+        options["priority"] = _RECOVERY_PRIORITY
+    task = app.tasks[RUN_TASK].configure(**options)
+    return task, {"graph": graph_ref, "thread_id": thread_id, **kwargs}
 
 
 def enqueue(app: procrastinate.App, graph_ref: str, thread_id: str, input: Any) -> int:
@@ -177,19 +160,15 @@ def enqueue(app: procrastinate.App, graph_ref: str, thread_id: str, input: Any) 
     Returns:
         The job id.
     """
-    task = app.tasks[RUN_TASK]
-    job_id: int = task.configure(**_run_job_options(thread_id)).defer(
-        **_input_kwargs(graph_ref, thread_id, input)
-    )
+    task, job = _job(app, graph_ref, thread_id, False, input=input, marker=secrets.token_hex(12))
+    job_id: int = task.defer(**job)
     return job_id
 
 
 async def aenqueue(app: procrastinate.App, graph_ref: str, thread_id: str, input: Any) -> int:
     """Async form of :func:`enqueue`."""
-    task = app.tasks[RUN_TASK]
-    job_id: int = await task.configure(**_run_job_options(thread_id)).defer_async(
-        **_input_kwargs(graph_ref, thread_id, input)
-    )
+    task, job = _job(app, graph_ref, thread_id, False, input=input, marker=secrets.token_hex(12))
+    job_id: int = await task.defer_async(**job)
     return job_id
 
 
@@ -204,11 +183,10 @@ def enqueue_resume(
     Returns:
         The job id, or ``None`` if a resume of the thread was already waiting in the queue.
     """
-    task = app.tasks[RUN_TASK]
+    why = attribution.payload() if attribution is not None else None
+    task, job = _job(app, graph_ref, thread_id, True, attribution=why)
     try:
-        job_id: int = task.configure(**_resume_options(thread_id)).defer(
-            **_resume_kwargs(graph_ref, thread_id, attribution)
-        )
+        job_id: int = task.defer(**job)
     except AlreadyEnqueued:
         return None
     return job_id
@@ -221,11 +199,10 @@ async def aenqueue_resume(
     attribution: Attribution | None = None,
 ) -> int | None:
     """Async form of :func:`enqueue_resume`."""
-    task = app.tasks[RUN_TASK]
+    why = attribution.payload() if attribution is not None else None
+    task, job = _job(app, graph_ref, thread_id, True, attribution=why)
     try:
-        job_id: int = await task.configure(**_resume_options(thread_id)).defer_async(
-            **_resume_kwargs(graph_ref, thread_id, attribution)
-        )
+        job_id: int = await task.defer_async(**job)
     except AlreadyEnqueued:
         return None
     return job_id
@@ -325,10 +302,7 @@ def _run_job(
 
 async def _supervise_job(context: Any, timestamp: int, graph: str) -> str:
     """The periodic job: one supervisor scan, resumes queued, stalled jobs re-queued."""
-    hosted = _hosted(graph)
-    report = await _scan_and_queue(context.app, hosted)
-    await aretry_stalled_jobs(context.app, stalled_after=hosted.stalled_after)
-    return report.summary()
+    return (await _scan_and_queue(context.app, _hosted(graph))).summary()
 
 
 async def _scan_and_queue(app: procrastinate.App, hosted: _Hosted) -> ScanReport:
@@ -337,6 +311,7 @@ async def _scan_and_queue(app: procrastinate.App, hosted: _Hosted) -> ScanReport
     found, hosted.found = hosted.found, []
     for thread_id, why in found:
         await aenqueue_resume(app, hosted.ref, thread_id, why)
+    await aretry_stalled_jobs(app, stalled_after=hosted.stalled_after)
     return report
 
 
@@ -444,8 +419,7 @@ def serve_queue_supervisor(
     Returns:
         The last scan's report.
     """
-    if not interval > 0:
-        raise ConfigurationError(f"interval must be > 0 seconds, got {interval!r}")
+    check_interval(interval)
     settings = StorageSettings.resolve(db=db, leases=leases)
     app = create_worker_app(settings.db_url)
     setup_queue(settings.db_url)
@@ -460,7 +434,6 @@ def serve_queue_supervisor(
                     while True:
                         try:
                             report = await _scan_and_queue(app, hosted)
-                            await aretry_stalled_jobs(app, stalled_after=stalled_after)
                         except StorageError as exc:  # e.g. the lease backend is down
                             if once:
                                 raise
@@ -469,13 +442,8 @@ def serve_queue_supervisor(
                             _log.info("supervisor scan: %s", report.summary())
                             if on_report is not None:
                                 on_report(report)
-                        if once:
+                        if once or await stopped_within(halt, interval):
                             return report
-                        try:
-                            await asyncio.wait_for(halt.wait(), interval)
-                        except TimeoutError:
-                            continue
-                        return report
                 finally:
                     _HOSTED.pop(graph_ref, None)
 

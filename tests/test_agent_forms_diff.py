@@ -256,13 +256,7 @@ ASPECTS = ("calls", "ledger", "tool events", "events")
 
 # Where the forms differ today: (scenario, aspect) -> the difference. Each such comparison is
 # written as it should hold and expected to fail until the forms agree.
-DIFFERS: dict[tuple[str, str], str] = {
-    ("SIGKILL then resume", "events"): (
-        "after run_resumed no replayed llm_decided (the recovery agent runs its think node "
-        "again and replays the recorded decision; create_agent resumes at the pending tool "
-        "task)"
-    ),
-}
+DIFFERS: dict[tuple[str, str], str] = {}
 for _name, _retried in (("drift, then accept", ""), ("drift, then retry", ", 3 after retry")):
     DIFFERS[(_name, "calls")] = (
         f"get_price: recovery agent 2 calls{_retried}, middleware 1 (the resumed middleware "
@@ -274,8 +268,7 @@ for _name, _retried in (("drift, then accept", ""), ("drift, then retry", ", 3 a
         + (", no tool_invoked/tool_succeeded of the retried read" if _retried else "")
     )
     DIFFERS[(_name, "events")] = (
-        f"{DIFFERS[(_name, 'tool events')]}; no replayed llm_decided, no second run_resumed "
-        "(nothing to decide)"
+        f"{DIFFERS[(_name, 'tool events')]}; no second run_resumed (nothing to decide)"
     )
 
 

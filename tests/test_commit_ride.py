@@ -134,13 +134,19 @@ def test_sigkill_before_the_riding_commit_is_settled_on_resume(
 ) -> None:
     """Killed after the ticket was opened, with its commit held for the task's writes: both
     are lost together, and the resumed run settles the call (the pre-check finds the ticket;
-    the idempotent help desk hands the same ticket back): one ticket, a committed entry."""
+    the idempotent help desk hands the same ticket back): one ticket, a committed entry.
+
+    The idempotent tool wrote no intent (its step's checkpoint, on disk under "sync", names
+    the call): nothing of the call is on record until the resumed run commits it."""
     started = _worker(kind, "start", sqlite_path, services, "t-ride")
     assert started.returncode == -signal.SIGKILL, started.stderr  # the commit was held
     assert _tickets(services) == 1
     with tp.RecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as saver:
-        (entry,) = saver.ledger("t-ride")
-        assert entry.status is LedgerStatus.INTENDED  # the commit died with the writes
+        if kind == "idempotent":
+            assert saver.ledger("t-ride") == []
+        else:
+            (entry,) = saver.ledger("t-ride")
+            assert entry.status is LedgerStatus.INTENDED  # the commit died with the writes
 
     resumed = _worker(kind, "resume", sqlite_path, services, "t-ride")
     assert resumed.returncode == 0, resumed.stderr
@@ -163,14 +169,18 @@ def test_the_commit_is_written_with_its_tasks_writes(
     kind: str, sqlite_cp: tp.RecoveryCheckpointer, services: Services
 ) -> None:
     """One transaction holds the commit, its event and the tool task's writes; none holds
-    the commit alone."""
+    the commit alone. The idempotent tool writes no intent before it (``writes_intent``):
+    its commit is its only ledger write."""
     declared = ticket_tools(services)[1] if kind == "precheck" else idempotent_ticket(services)
     graph = build_graph(tp.ToolNode([declared]), sqlite_cp)
     commits = _traced(sqlite_cp)
     out = graph.invoke({"messages": [("user", "t-1")]}, _config("t-1"), durability="sync")
     assert out["messages"][-1].content == "done"
-    intent, commit = commits.ledger_commits()
-    assert "writes" not in intent
+    if kind == "idempotent":
+        (commit,) = commits.ledger_commits()
+    else:
+        intent, commit = commits.ledger_commits()
+        assert "writes" not in intent
     assert {"taskpilots_ledger", "taskpilots_events", "writes"} <= commit
     (entry,) = sqlite_cp.ledger("t-1")
     assert entry.status is LedgerStatus.COMMITTED

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -30,6 +30,7 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
 )
 
+from taskpilots_graph._twins import Steps, arun_steps, asynced, io, run_steps, synced
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
 from taskpilots_graph.checkpointers.artifacts import (
     ARTIFACTS_TABLE,
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
     from taskpilots_graph.checkpointers.retention import Keep, PruneReport
 
 __all__ = ["RecoveryAPI", "checked_artifact_store"]
+
+T = TypeVar("T")
 
 
 def checked_artifact_store(artifacts: object) -> ArtifactStore | None:
@@ -113,6 +116,12 @@ class RecoveryAPI(DelegatingSaver):
     async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
+    def _shared(self, name: str, make: Callable[[], T]) -> T:
+        """Attribute ``name``, made on first use: the views made by :meth:`with_density`
+        (copies) share what was made before them."""
+        found: T | None = self.__dict__.get(name)
+        return found if found is not None else self.__dict__.setdefault(name, make())
+
     # -- leases ------------------------------------------------------------------------------
 
     def lease_backend(self) -> LeaseBackend:
@@ -136,7 +145,7 @@ class RecoveryAPI(DelegatingSaver):
 
     # -- event log ---------------------------------------------------------------------------
 
-    def append_event(
+    def _append_event(
         self,
         thread_id: str,
         kind: EventKind | str,
@@ -144,7 +153,7 @@ class RecoveryAPI(DelegatingSaver):
         *,
         checkpoint_id: str | None = None,
         checkpoint_ns: str = "",
-    ) -> Event:
+    ) -> Steps[Event]:
         """Append an event to the thread's log; it is durable when this returns.
 
         Raises:
@@ -154,72 +163,50 @@ class RecoveryAPI(DelegatingSaver):
         record = prepare_event(
             thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
         )
-        return cast(list[Event], self._call("append_events", [record]))[0]
+        return cast(list[Event], (yield io(self, "_call", "append_events", [record])))[0]
 
-    async def aappend_event(
-        self,
-        thread_id: str,
-        kind: EventKind | str,
-        payload: Mapping[str, Any] | None = None,
-        *,
-        checkpoint_id: str | None = None,
-        checkpoint_ns: str = "",
-    ) -> Event:
-        """Async form of :meth:`append_event`."""
-        record = prepare_event(
-            thread_id, kind, payload, checkpoint_id=checkpoint_id, checkpoint_ns=checkpoint_ns
-        )
-        return cast(list[Event], await self._acall("append_events", [record]))[0]
+    append_event = synced(_append_event)
+    aappend_event = asynced(_append_event)
 
-    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+    def _events(self, thread_id: str, *, after_seq: int = 0) -> Steps[list[Event]]:
         """The thread's events in order (those with ``seq > after_seq``).
 
         Raises:
             CorruptRecordError: If a stored event cannot be decoded.
         """
-        self._flush_held([thread_id])  # the events of held commits too
-        self.append_records([], flush=thread_id)  # read your own deferred events too
-        return mark_superseded(
-            cast(list[Event], self._call("events", thread_id, after_seq=after_seq))
-        )
+        yield io(self, "_flush_held", [thread_id])  # the events of held commits too
+        yield io(self, "append_records", [], flush=thread_id)  # own deferred events too
+        events = yield io(self, "_call", "events", thread_id, after_seq=after_seq)
+        return mark_superseded(cast(list[Event], events))
 
-    async def aevents(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        """Async form of :meth:`events`."""
-        await self._aflush_held([thread_id])
-        await self.aappend_records([], flush=thread_id)
-        return mark_superseded(
-            cast(list[Event], await self._acall("events", thread_id, after_seq=after_seq))
-        )
+    events = synced(_events)
+    aevents = asynced(_events)
 
     # -- ledger ------------------------------------------------------------------------------
 
-    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
+    def _ledger(self, thread_id: str | None = None) -> Steps[list[LedgerEntry]]:
         """Ledger entries of one thread (or of every thread), oldest first.
 
         Raises:
             CorruptRecordError: If a stored entry cannot be decoded.
         """
-        self._flush_held([thread_id] if thread_id else self._held_threads())
-        return cast(list[LedgerEntry], self._call("ledger", thread_id))
+        yield io(self, "_flush_held", [thread_id] if thread_id else self._held_threads())
+        return cast(list[LedgerEntry], (yield io(self, "_call", "ledger", thread_id)))
 
-    async def aledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        """Async form of :meth:`ledger`."""
-        await self._aflush_held([thread_id] if thread_id else self._held_threads())
-        return cast(list[LedgerEntry], await self._acall("ledger", thread_id))
+    ledger = synced(_ledger)
+    aledger = asynced(_ledger)
 
-    def ledger_entry(self, key: str) -> LedgerEntry | None:
+    def _ledger_entry(self, key: str) -> Steps[LedgerEntry | None]:
         """The entry recorded under an invocation key, if any."""
-        self._flush_held(self._held_threads(key=key))
-        return cast(LedgerEntry | None, self._call("ledger_get", key))
+        yield io(self, "_flush_held", self._held_threads(key=key))
+        return cast(LedgerEntry | None, (yield io(self, "_call", "ledger_get", key)))
 
-    async def aledger_entry(self, key: str) -> LedgerEntry | None:
-        """Async form of :meth:`ledger_entry`."""
-        await self._aflush_held(self._held_threads(key=key))
-        return cast(LedgerEntry | None, await self._acall("ledger_get", key))
+    ledger_entry = synced(_ledger_entry)
+    aledger_entry = asynced(_ledger_entry)
 
-    def committed_effect(
+    def _committed_effect(
         self, thread_id: str, tool: str, args_digest: str
-    ) -> CommittedEffect | None:
+    ) -> Steps[CommittedEffect | None]:
         """The thread's earliest committed effect of ``tool`` with these canonical
         arguments, and its step (the repeat guard's question).
 
@@ -228,30 +215,17 @@ class RecoveryAPI(DelegatingSaver):
         writes: a fresh side effect costs no read, only a pair seen committed is looked up.
         Without the lease it is one indexed read.
         """
-        self._flush_held([thread_id])
+        yield io(self, "_flush_held", [thread_id])
         if self._effects_unknown(thread_id):
-            found = self._call("ledger_committed_digests", thread_id)
+            found = yield io(self, "_call", "ledger_committed_digests", thread_id)
             self._remember_effects(thread_id, found)
         if not self._may_be_committed(thread_id, tool, args_digest):
             return None
-        return cast(
-            CommittedEffect | None, self._call("ledger_repeat", thread_id, tool, args_digest)
-        )
+        found = yield io(self, "_call", "ledger_repeat", thread_id, tool, args_digest)
+        return cast(CommittedEffect | None, found)
 
-    async def acommitted_effect(
-        self, thread_id: str, tool: str, args_digest: str
-    ) -> CommittedEffect | None:
-        """Async form of :meth:`committed_effect`."""
-        await self._aflush_held([thread_id])
-        if self._effects_unknown(thread_id):
-            found = await self._acall("ledger_committed_digests", thread_id)
-            self._remember_effects(thread_id, found)
-        if not self._may_be_committed(thread_id, tool, args_digest):
-            return None
-        return cast(
-            CommittedEffect | None,
-            await self._acall("ledger_repeat", thread_id, tool, args_digest),
-        )
+    committed_effect = synced(_committed_effect)
+    acommitted_effect = asynced(_committed_effect)
 
     # The committed (tool, arguments digest) pairs of the thread whose lease is held, per
     # lease tenure (as the decision inputs below): nobody else commits effects of a thread
@@ -259,12 +233,7 @@ class RecoveryAPI(DelegatingSaver):
     # the hold: a new tenure reads again.
 
     def _effects_by_hold(self) -> weakref.WeakKeyDictionary[object, set[tuple[str, str]]]:
-        memo: weakref.WeakKeyDictionary[object, set[tuple[str, str]]] | None = self.__dict__.get(
-            "_committed_effects"
-        )
-        if memo is None:
-            memo = self.__dict__.setdefault("_committed_effects", weakref.WeakKeyDictionary())
-        return memo
+        return self._shared("_committed_effects", weakref.WeakKeyDictionary)
 
     def _effects_unknown(self, thread_id: str) -> bool:
         tenure = self._tenure(thread_id)
@@ -288,13 +257,13 @@ class RecoveryAPI(DelegatingSaver):
             if known is not None:
                 known.add((entry.tool, entry.args_digest))
 
-    def write_ledger(
+    def _write_ledger(
         self,
         entry: LedgerEntry,
         *,
         expect: tuple[LedgerStatus, int] | None,
         events: Sequence[EventRecord] = (),
-    ) -> list[Event]:
+    ) -> Steps[list[Event]]:
         """Insert or compare-and-set an entry and its events in one durable transaction.
 
         Records deferred (:meth:`defer_records`, :meth:`defer_decision`) for the entry's
@@ -308,57 +277,32 @@ class RecoveryAPI(DelegatingSaver):
             ConfigurationError: For a thread id no backend stores (nothing is written).
         """
         check_thread_id(entry.thread_id)
-        self._flush_held(_threads(entry, events))
+        yield io(self, "_flush_held", _threads(entry, events))
         batch = [*self._take_deferred(_threads(entry, events)), *events]
         try:
-            written = cast(
-                list[Event], self._call("ledger_write", entry, expect=expect, events=batch)
-            )
+            written = yield io(self, "_call", "ledger_write", entry, expect=expect, events=batch)
         except BaseException:
             self._restore_deferred(batch[: len(batch) - len(events)])
             raise
         self._note_effect(entry)
-        return written
+        return cast(list[Event], written)
 
-    async def awrite_ledger(
-        self,
-        entry: LedgerEntry,
-        *,
-        expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[EventRecord] = (),
-    ) -> list[Event]:
-        """Async form of :meth:`write_ledger`."""
-        check_thread_id(entry.thread_id)
-        await self._aflush_held(_threads(entry, events))
-        batch = [*self._take_deferred(_threads(entry, events)), *events]
-        try:
-            written = cast(
-                list[Event], await self._acall("ledger_write", entry, expect=expect, events=batch)
-            )
-        except BaseException:
-            self._restore_deferred(batch[: len(batch) - len(events)])
-            raise
-        self._note_effect(entry)
-        return written
+    write_ledger = synced(_write_ledger)
+    awrite_ledger = asynced(_write_ledger)
 
-    def append_records(
+    def _append_records(
         self, records: Sequence[EventRecord], *, flush: str | None = None
-    ) -> list[Event]:
+    ) -> Steps[list[Event]]:
         """Append prepared events in one durable transaction (node use).
 
         Events deferred for the same threads (and for ``flush``) go first.
         """
-        self._flush_held(self._held_before(records, flush))
+        yield io(self, "_flush_held", self._held_before(records, flush))
         batch = self._with_deferred(records, flush)
-        return cast(list[Event], self._call("append_events", batch)) if batch else []
+        return cast(list[Event], (yield io(self, "_call", "append_events", batch))) if batch else []
 
-    async def aappend_records(
-        self, records: Sequence[EventRecord], *, flush: str | None = None
-    ) -> list[Event]:
-        """Async form of :meth:`append_records`."""
-        await self._aflush_held(self._held_before(records, flush))
-        batch = self._with_deferred(records, flush)
-        return cast(list[Event], await self._acall("append_events", batch)) if batch else []
+    append_records = synced(_append_records)
+    aappend_records = asynced(_append_records)
 
     # -- commits riding a task's writes ------------------------------------------------------
     # The commit of a tool that settles a lost commit itself (idempotent, or with a
@@ -397,17 +341,13 @@ class RecoveryAPI(DelegatingSaver):
         return True
 
     def _held_commits(self) -> dict[str, list[HeldCommit]]:
-        held: dict[str, list[HeldCommit]] | None = self.__dict__.get("_held_commit_map")
-        if held is None:
-            held = self.__dict__.setdefault("_held_commit_map", {})
-        return held
+        return self._shared("_held_commit_map", dict)
 
     def _commit_mutex(self, thread_id: str) -> threading.RLock:
         """The mutex of ``thread_id``'s held commits (striped: bounded memory)."""
-        stripes: list[threading.RLock] | None = self.__dict__.get("_commit_mutexes")
-        if stripes is None:
-            made = [threading.RLock() for _ in range(_MUTEX_STRIPES)]
-            stripes = self.__dict__.setdefault("_commit_mutexes", made)
+        stripes = self._shared(
+            "_commit_mutexes", lambda: [threading.RLock() for _ in range(_MUTEX_STRIPES)]
+        )
         return stripes[hash(thread_id) % _MUTEX_STRIPES]
 
     def _holds_commits(self) -> bool:
@@ -593,10 +533,7 @@ class RecoveryAPI(DelegatingSaver):
                     self._deferred().setdefault(record.thread_id, []).append(record)
 
     def _deferred(self) -> dict[str, list[PendingRecord]]:
-        pending: dict[str, list[PendingRecord]] | None = self.__dict__.get("_pending_events")
-        if pending is None:
-            pending = self.__dict__.setdefault("_pending_events", {})
-        return pending
+        return self._shared("_pending_events", dict)
 
     def _deferred_decision(self, thread_id: str, checkpoint_ns: str, digest: str) -> str | None:
         with self._deferred_lock():
@@ -609,10 +546,7 @@ class RecoveryAPI(DelegatingSaver):
         return None
 
     def _deferred_lock(self) -> threading.Lock:
-        lock: threading.Lock | None = self.__dict__.get("_pending_lock")
-        if lock is None:
-            lock = self.__dict__.setdefault("_pending_lock", threading.Lock())
-        return lock
+        return self._shared("_pending_lock", threading.Lock)
 
     def _take_deferred(self, thread_ids: set[str]) -> list[PendingRecord]:
         with self._deferred_lock():
@@ -632,7 +566,7 @@ class RecoveryAPI(DelegatingSaver):
 
     # -- model decisions ---------------------------------------------------------------------
 
-    def decision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
+    def _decision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> Steps[str | None]:
         """A model decision recorded (or deferred) for exactly this input, if any.
 
         Under the thread's lease (``tp.run``, ``resume``, ...) the thread's recorded inputs
@@ -643,43 +577,27 @@ class RecoveryAPI(DelegatingSaver):
         if found is not None:
             return found
         if self._inputs_unknown(thread_id, checkpoint_ns):
-            digests = self._call("decision_digests", thread_id, checkpoint_ns)
+            digests = yield io(self, "_call", "decision_digests", thread_id, checkpoint_ns)
             self._remember_inputs(thread_id, checkpoint_ns, digests)
         if not self._may_be_recorded(thread_id, checkpoint_ns, input_digest):
             return None
-        return cast(str | None, self._call("decision_get", thread_id, checkpoint_ns, input_digest))
+        found = yield io(self, "_call", "decision_get", thread_id, checkpoint_ns, input_digest)
+        return cast(str | None, found)
 
-    async def adecision(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        """Async form of :meth:`decision`."""
-        found = self._deferred_decision(thread_id, checkpoint_ns, input_digest)
-        if found is not None:
-            return found
-        if self._inputs_unknown(thread_id, checkpoint_ns):
-            digests = await self._acall("decision_digests", thread_id, checkpoint_ns)
-            self._remember_inputs(thread_id, checkpoint_ns, digests)
-        if not self._may_be_recorded(thread_id, checkpoint_ns, input_digest):
-            return None
-        return cast(
-            str | None, await self._acall("decision_get", thread_id, checkpoint_ns, input_digest)
-        )
+    decision = synced(_decision)
+    adecision = asynced(_decision)
 
-    def record_decision(
+    def _record_decision(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
+    ) -> Steps[None]:
         """Record a model decision durably; the first record for an input wins."""
         check_thread_id(thread_id)
         record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
-        self._call("append_events", [record])
+        yield io(self, "_call", "append_events", [record])
         self._note_input(thread_id, checkpoint_ns, input_digest)
 
-    async def arecord_decision(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
-    ) -> None:
-        """Async form of :meth:`record_decision`."""
-        check_thread_id(thread_id)
-        record = DecisionRecord(thread_id, checkpoint_ns, input_digest, message, time.time())
-        await self._acall("append_events", [record])
-        self._note_input(thread_id, checkpoint_ns, input_digest)
+    record_decision = synced(_record_decision)
+    arecord_decision = asynced(_record_decision)
 
     def defer_decision(
         self, thread_id: str, checkpoint_ns: str, input_digest: str, message: str
@@ -692,29 +610,21 @@ class RecoveryAPI(DelegatingSaver):
         self.defer_records([DecisionRecord(thread_id, checkpoint_ns, input_digest, message, now)])
         self._note_input(thread_id, checkpoint_ns, input_digest)
 
-    def forget_decisions(self, thread_id: str, *, since: float) -> int:
+    def _forget_decisions(self, thread_id: str, *, since: float) -> Steps[int]:
         """Forget the thread's model decisions recorded after ``since`` (used by rewind)."""
-        self.append_records([], flush=thread_id)  # deferred ones are forgotten too
+        yield io(self, "append_records", [], flush=thread_id)  # deferred ones are forgotten too
         self._forget_inputs(thread_id)
-        return cast(int, self._call("decision_forget", thread_id, since))
+        return cast(int, (yield io(self, "_call", "decision_forget", thread_id, since)))
 
-    async def aforget_decisions(self, thread_id: str, *, since: float) -> int:
-        """Async form of :meth:`forget_decisions`."""
-        await self.aappend_records([], flush=thread_id)
-        self._forget_inputs(thread_id)
-        return cast(int, await self._acall("decision_forget", thread_id, since))
+    forget_decisions = synced(_forget_decisions)
+    aforget_decisions = asynced(_forget_decisions)
 
     # The inputs with a recorded decision, per lease tenure: while a run holds its thread's
     # lease nobody else records decisions for the thread, so one read at the first lookup
     # spares a read per model call. Keyed by the hold (weakly): a new tenure reads again.
 
     def _inputs_by_hold(self) -> weakref.WeakKeyDictionary[object, dict[str, set[str]]]:
-        memo: weakref.WeakKeyDictionary[object, dict[str, set[str]]] | None = self.__dict__.get(
-            "_decision_inputs"
-        )
-        if memo is None:
-            memo = self.__dict__.setdefault("_decision_inputs", weakref.WeakKeyDictionary())
-        return memo
+        return self._shared("_decision_inputs", weakref.WeakKeyDictionary)
 
     def _tenure(self, thread_id: str) -> object | None:
         return held_thread_lease(thread_id)
@@ -747,14 +657,14 @@ class RecoveryAPI(DelegatingSaver):
 
     # -- event compaction --------------------------------------------------------------------
 
-    def compact_events(
+    def _compact_events(
         self,
         thread_id: str,
         *,
         keep_last: int,
         key_fields: Iterable[str] = DEFAULT_KEY_FIELDS,
         protected_kinds: Iterable[EventKind | str] = DEFAULT_PROTECTED_KINDS,
-    ) -> int:
+    ) -> Steps[int]:
         """Reduce the thread's events older than the last ``keep_last`` to kind + key fields.
 
         Payloads are rewritten in place (seq, kind and time stay); ledger-relevant fields
@@ -772,21 +682,10 @@ class RecoveryAPI(DelegatingSaver):
         policy = CompactionPolicy.of(
             keep_last, key_fields=key_fields, protected_kinds=protected_kinds
         )
-        return cast(int, self._call("compact_events", thread_id, policy))
+        return cast(int, (yield io(self, "_call", "compact_events", thread_id, policy)))
 
-    async def acompact_events(
-        self,
-        thread_id: str,
-        *,
-        keep_last: int,
-        key_fields: Iterable[str] = DEFAULT_KEY_FIELDS,
-        protected_kinds: Iterable[EventKind | str] = DEFAULT_PROTECTED_KINDS,
-    ) -> int:
-        """Async form of :meth:`compact_events`."""
-        policy = CompactionPolicy.of(
-            keep_last, key_fields=key_fields, protected_kinds=protected_kinds
-        )
-        return cast(int, await self._acall("compact_events", thread_id, policy))
+    compact_events = synced(_compact_events)
+    acompact_events = asynced(_compact_events)
 
     # -- artifacts ---------------------------------------------------------------------------
 
@@ -795,7 +694,7 @@ class RecoveryAPI(DelegatingSaver):
             return self._call(method, *args)
         return getattr(self.artifact_store, method)(*args)
 
-    async def _artifacts_acall(self, method: str, *args: Any) -> Any:
+    async def _aartifacts_call(self, method: str, *args: Any) -> Any:
         if self.artifact_store is None:
             return await self._acall(method, *args)
         # Plugged-in stores are synchronous (files, fsspec): keep them off the event loop.
@@ -808,13 +707,13 @@ class RecoveryAPI(DelegatingSaver):
         where = ARTIFACTS_TABLE if store is None else str(getattr(store, "location", store))
         return verify_artifact(artifact_id, data, where=where)
 
-    def put_artifact(
+    def _put_artifact(
         self,
         thread_id: str,
         data: bytes | bytearray | memoryview | str,
         *,
         media_type: str | None = None,
-    ) -> ArtifactRef:
+    ) -> Steps[ArtifactRef]:
         """Store a raw payload for the thread and return its reference; durable on return.
 
         The id is the SHA-256 of the bytes (``str`` is stored as UTF-8), so storing the same
@@ -833,22 +732,13 @@ class RecoveryAPI(DelegatingSaver):
                 a bad media type.
         """
         artifact = prepare_artifact(check_thread_id(thread_id), data, media_type)
-        self._artifacts_call("put_artifact", artifact)
+        yield io(self, "_artifacts_call", "put_artifact", artifact)
         return artifact.ref
 
-    async def aput_artifact(
-        self,
-        thread_id: str,
-        data: bytes | bytearray | memoryview | str,
-        *,
-        media_type: str | None = None,
-    ) -> ArtifactRef:
-        """Async form of :meth:`put_artifact`."""
-        artifact = prepare_artifact(check_thread_id(thread_id), data, media_type)
-        await self._artifacts_acall("put_artifact", artifact)
-        return artifact.ref
+    put_artifact = synced(_put_artifact)
+    aput_artifact = asynced(_put_artifact)
 
-    def artifact(self, artifact_id: str) -> bytes:
+    def _artifact(self, artifact_id: str) -> Steps[bytes]:
         """The raw payload stored under ``artifact_id``, checked against its hash.
 
         Raises:
@@ -857,13 +747,11 @@ class RecoveryAPI(DelegatingSaver):
             CorruptRecordError: If the stored bytes no longer match the id.
         """
         check_artifact_id(artifact_id)
-        return self._checked(artifact_id, self._artifacts_call("get_artifact", artifact_id))
-
-    async def aartifact(self, artifact_id: str) -> bytes:
-        """Async form of :meth:`artifact`."""
-        check_artifact_id(artifact_id)
-        data = await self._artifacts_acall("get_artifact", artifact_id)
+        data = yield io(self, "_artifacts_call", "get_artifact", artifact_id)
         return self._checked(artifact_id, data)
+
+    artifact = synced(_artifact)
+    aartifact = asynced(_artifact)
 
     # -- retention ---------------------------------------------------------------------------
 
@@ -980,24 +868,22 @@ class RecoveryAPI(DelegatingSaver):
 
     # -- whole threads -----------------------------------------------------------------------
 
-    def delete_thread(self, thread_id: str) -> None:
+    def _delete_thread(self, thread_id: str) -> Steps[None]:
         """Delete the thread's checkpoints, writes, events, ledger entries, decisions and
         artifacts."""
         # Checkpoints go first: a crash in between leaves an orphan log, never a thread that
         # could resume without the record of what it already did.
-        self.inner.delete_thread(thread_id)
-        self._call("delete_thread", thread_id)  # its stored messages too
+        yield io(self.inner, "delete_thread", thread_id)
+        yield io(self, "_call", "delete_thread", thread_id)  # its stored messages too
         self.message_log.forget(thread_id)  # a new run of the id starts new sequences
         if self.artifact_store is not None:
-            self.artifact_store.delete_artifacts(thread_id)
+            yield io(self, "_artifacts_call", "delete_artifacts", thread_id)
+
+    def delete_thread(self, thread_id: str) -> None:
+        run_steps(self._delete_thread(thread_id))
 
     async def adelete_thread(self, thread_id: str) -> None:
-        """Async form of :meth:`delete_thread`."""
-        await self.inner.adelete_thread(thread_id)
-        await self._acall("delete_thread", thread_id)
-        self.message_log.forget(thread_id)
-        if self.artifact_store is not None:
-            await asyncio.to_thread(self.artifact_store.delete_artifacts, thread_id)
+        await arun_steps(self._delete_thread(thread_id))
 
 
 _MUTEX_STRIPES = 64

@@ -72,6 +72,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
 from taskpilots_graph.checkpointers.sqlite import mapped_errors
@@ -272,30 +273,7 @@ def _check_ids(source: str, target: str) -> None:
 def copy_thread(cp: RecoveryAPI, source: str, target: str) -> None:
     """Copy a thread with its recovery records (see the module docs)."""
     _check_ids(source, target)
-    rows = rows_for(cp, "copy_thread")
-    tuples = _oldest_first(cp.list(_config(source)))
-    if not tuples:
-        raise ThreadNotFound(source)
-    _refuse_target(
-        target,
-        next(iter(cp.list(_config(target), limit=1)), None) is not None,
-        len(cp._call("events", target)),
-        len(cp.ledger(target)),
-    )
-    cp.append_records([], flush=source)  # the source's deferred events are part of it
-    plan = _records(
-        source, target, cp.ledger(source), cp._call("events", source), rows.decisions(source)
-    )
-    _write_records(cp, plan)
-    if cp.artifact_store is None:
-        rows.copy_artifacts(source, target)
-    paths = rows.task_paths(source)
-    writer = _storing_all(cp)
-    for tup in tuples:
-        put = _put(tup, target, paths)
-        writer.put(put.config, put.checkpoint, put.metadata, put.versions)
-        for args in put.writes:
-            writer.put_writes(*args)
+    run_steps(_copy_thread(cp, source, target, rows_for(cp, "copy_thread")))
 
 
 async def acopy_thread(cp: RecoveryAPI, source: str, target: str) -> None:
@@ -305,33 +283,39 @@ async def acopy_thread(cp: RecoveryAPI, source: str, target: str) -> None:
     if not rows.has_async:  # a sync saver's async methods raise: use its sync ones
         await asyncio.to_thread(copy_thread, cp, source, target)
         return
-    tuples = _oldest_first([t async for t in cp.alist(_config(source))])
+    await arun_steps(_copy_thread(cp, source, target, rows))
+
+
+def _listed(cp: RecoveryAPI, config: RunnableConfig, limit: int | None = None) -> list[Any]:
+    return list(cp.list(config, limit=limit))
+
+
+async def _alisted(cp: RecoveryAPI, config: RunnableConfig, limit: int | None = None) -> list[Any]:
+    return [t async for t in cp.alist(config, limit=limit)]
+
+
+def _copy_thread(cp: RecoveryAPI, source: str, target: str, rows: Rows) -> Steps[None]:
+    tuples = _oldest_first((yield both(_listed, _alisted, cp, _config(source))))
     if not tuples:
         raise ThreadNotFound(source)
-    _refuse_target(
-        target,
-        [t async for t in cp.alist(_config(target), limit=1)] != [],
-        len(await cp._acall("events", target)),
-        len(await cp.aledger(target)),
-    )
-    await cp.aappend_records([], flush=source)
-    plan = _records(
-        source,
-        target,
-        await cp.aledger(source),
-        await cp._acall("events", source),
-        await rows.adecisions(source),
-    )
-    await _awrite_records(cp, plan)
+    has_checkpoint = bool((yield both(_listed, _alisted, cp, _config(target), 1)))
+    events = yield io(cp, "_call", "events", target)
+    entries = yield io(cp, "ledger", target)
+    _refuse_target(target, has_checkpoint, len(events), len(entries))
+    yield io(cp, "append_records", [], flush=source)  # the source's deferred events too
+    entries = yield io(cp, "ledger", source)
+    events = yield io(cp, "_call", "events", source)
+    plan = _records(source, target, entries, events, (yield io(rows, "decisions", source)))
+    yield from _write_records(cp, plan)
     if cp.artifact_store is None:
-        await rows.acopy_artifacts(source, target)
-    paths = await rows.atask_paths(source)
+        yield io(rows, "copy_artifacts", source, target)
+    paths = yield io(rows, "task_paths", source)
     writer = _storing_all(cp)
     for tup in tuples:
         put = _put(tup, target, paths)
-        await writer.aput(put.config, put.checkpoint, put.metadata, put.versions)
+        yield io(writer, "put", put.config, put.checkpoint, put.metadata, put.versions)
         for args in put.writes:
-            await writer.aput_writes(*args)
+            yield io(writer, "put_writes", *args)
 
 
 def _storing_all(cp: RecoveryAPI) -> RecoveryAPI:
@@ -344,23 +328,15 @@ def _storing_all(cp: RecoveryAPI) -> RecoveryAPI:
     return view
 
 
-def _write_records(cp: RecoveryAPI, plan: _Records) -> None:
+def _write_records(cp: RecoveryAPI, plan: _Records) -> Steps[None]:
     # The first entry carries the decisions and events in its transaction.
     if not plan.entries:
         if plan.records:
-            cp._call("append_events", plan.records)
+            yield io(cp, "_call", "append_events", plan.records)
         return
     for i, entry in enumerate(plan.entries):
-        cp._call("ledger_write", entry, expect=None, events=plan.records if i == 0 else ())
-
-
-async def _awrite_records(cp: RecoveryAPI, plan: _Records) -> None:
-    if not plan.entries:
-        if plan.records:
-            await cp._acall("append_events", plan.records)
-        return
-    for i, entry in enumerate(plan.entries):
-        await cp._acall("ledger_write", entry, expect=None, events=plan.records if i == 0 else ())
+        records = plan.records if i == 0 else ()
+        yield io(cp, "_call", "ledger_write", entry, expect=None, events=records)
 
 
 def delete_for_runs(cp: RecoveryAPI, run_ids: Sequence[str]) -> None:

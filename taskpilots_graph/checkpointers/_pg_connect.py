@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import select
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
@@ -18,7 +18,8 @@ from contextlib import (
     nullcontext,
     suppress,
 )
-from typing import Any, Final
+from functools import partial
+from typing import Any, Final, TypeVar
 
 import psycopg
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -46,6 +47,8 @@ __all__ = [
     "open_pool",
     "storage_error",
 ]
+
+R = TypeVar("R")
 
 # The settings of LangGraph's own PostgresSaver.from_conn_string: setup() needs autocommit,
 # the saver reads rows as dicts, and prepare_threshold=0 prepares every statement on first
@@ -346,6 +349,26 @@ def _retryable(exc: StorageError) -> bool:
     )
 
 
+def _retried(call: Callable[[], R]) -> R:
+    """``call()``, made again once if it lost its connection mid-way (:func:`_retryable`)."""
+    try:
+        return call()
+    except StorageError as exc:
+        if not _retryable(exc):
+            raise
+    return call()
+
+
+async def _aretried(call: Callable[[], Awaitable[R]]) -> R:
+    """Async twin of :func:`_retried`."""
+    try:
+        return await call()
+    except StorageError as exc:
+        if not _retryable(exc):
+            raise
+    return await call()
+
+
 class _NoLock:
     """Stands in for ``PostgresSaver``'s per-instance lock where there is nothing to guard.
 
@@ -427,29 +450,13 @@ class PooledPostgresSaver(PostgresSaver):
         ride.written = True
 
     def get_tuple(self, config: Any) -> Any:
-        try:
-            return super().get_tuple(config)
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        return super().get_tuple(config)
+        return _retried(partial(super().get_tuple, config))
 
     def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        try:
-            return super().put(config, checkpoint, metadata, new_versions)
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        return super().put(config, checkpoint, metadata, new_versions)
+        return _retried(partial(super().put, config, checkpoint, metadata, new_versions))
 
     def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
-        try:
-            super().put_writes(config, writes, task_id, task_path)
-            return
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        super().put_writes(config, writes, task_id, task_path)
+        _retried(partial(super().put_writes, config, writes, task_id, task_path))
 
 
 @asynccontextmanager
@@ -528,28 +535,12 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
         ride.written = True
 
     async def aget_tuple(self, config: Any) -> Any:
-        try:
-            return await super().aget_tuple(config)
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        return await super().aget_tuple(config)
+        return await _aretried(partial(super().aget_tuple, config))
 
     async def aput(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        try:
-            return await super().aput(config, checkpoint, metadata, new_versions)
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        return await super().aput(config, checkpoint, metadata, new_versions)
+        return await _aretried(partial(super().aput, config, checkpoint, metadata, new_versions))
 
     async def aput_writes(
         self, config: Any, writes: Any, task_id: str, task_path: str = ""
     ) -> None:
-        try:
-            await super().aput_writes(config, writes, task_id, task_path)
-            return
-        except StorageError as exc:
-            if not _retryable(exc):
-                raise
-        await super().aput_writes(config, writes, task_id, task_path)
+        await _aretried(partial(super().aput_writes, config, writes, task_id, task_path))

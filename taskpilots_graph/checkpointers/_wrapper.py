@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig
@@ -31,7 +31,8 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from taskpilots_graph.checkpointers.density import HeldCheckpoints, run_async, run_sync
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
+from taskpilots_graph.checkpointers.density import HeldCheckpoints
 from taskpilots_graph.checkpointers.messages import (
     LoadedRow,
     MessageLog,
@@ -144,52 +145,31 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             return riding(getattr(self, "store", None))
         return nullcontext()
 
-    def _put(
+    def _store(
         self,
         config: RunnableConfig,
         checkpoint: Checkpoint,
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
-    ) -> RunnableConfig:
+    ) -> Steps[RunnableConfig]:
         """The saver's ``put``, with the messages the checkpoint refers to stored in its
         transaction, or before it."""
         encoded, rows = self._encoded(config, checkpoint)
         if rows is None:
-            return self.inner.put(config, encoded, metadata, new_versions)
+            stored = yield io(self.inner, "put", config, encoded, metadata, new_versions)
+            return cast(RunnableConfig, stored)
         try:
             with self._riding() as ride:
-                self._call("messages_write", rows)
-                stored = self.inner.put(config, encoded, metadata, new_versions)
+                yield io(self, "_call", "messages_write", rows)
+                stored = yield io(self.inner, "put", config, encoded, metadata, new_versions)
             if ride is not None and ride.stranded:
                 # The store handed the rows over but the saver's put did not take them (a
                 # put reached through another thread or loop): store them now.
-                self._call("messages_write", rows)
+                yield io(self, "_call", "messages_write", rows)
         except BaseException:
             self._failed_write(rows)
             raise
-        return stored
-
-    async def _aput(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        """Async twin of :meth:`_put`."""
-        encoded, rows = self._encoded(config, checkpoint)
-        if rows is None:
-            return await self.inner.aput(config, encoded, metadata, new_versions)
-        try:
-            with self._riding() as ride:
-                await self._acall("messages_write", rows)
-                stored = await self.inner.aput(config, encoded, metadata, new_versions)
-            if ride is not None and ride.stranded:
-                await self._acall("messages_write", rows)
-        except BaseException:
-            self._failed_write(rows)
-            raise
-        return stored
+        return cast(RunnableConfig, stored)
 
     def _check_readable(self, thread_id: str, refs: Mapping[str, MessageRef]) -> None:
         if refs and not self._message_store():
@@ -221,8 +201,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         return tup._replace(checkpoint=with_values(tup.checkpoint, values))
 
     def _decoded(
-        self, tup: CheckpointTuple | None, *, remember: bool, listing: _Listing | None = None
-    ) -> CheckpointTuple | None:
+        self, tup: CheckpointTuple | None, remember: bool, listing: _Listing | None
+    ) -> Steps[CheckpointTuple | None]:
         """``tup`` with its message references replaced by the lists they stand for."""
         if tup is None or not (refs := message_refs(tup.checkpoint)):
             return tup
@@ -232,25 +212,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         for channel, ref in refs.items():
             rows = None if listing is None else listing.known(ref)
             if rows is None:
-                rows = self._call("messages_read", thread_id, ref.seq, ref.length)
-                if listing is not None:
-                    listing.add(ref, rows)
-            loaded[channel] = rows
-        return self._rebuilt(tup, loaded, refs, remember=remember, listing=listing)
-
-    async def _adecoded(
-        self, tup: CheckpointTuple | None, *, remember: bool, listing: _Listing | None = None
-    ) -> CheckpointTuple | None:
-        """Async twin of :meth:`_decoded`."""
-        if tup is None or not (refs := message_refs(tup.checkpoint)):
-            return tup
-        thread_id, _ = _where(tup.config)
-        self._check_readable(thread_id, refs)
-        loaded: dict[str, list[LoadedRow]] = {}
-        for channel, ref in refs.items():
-            rows = None if listing is None else listing.known(ref)
-            if rows is None:
-                rows = await self._acall("messages_read", thread_id, ref.seq, ref.length)
+                rows = yield io(self, "_call", "messages_read", thread_id, ref.seq, ref.length)
                 if listing is not None:
                     listing.add(ref, rows)
             loaded[channel] = rows
@@ -267,7 +229,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             if message_refs(tup.checkpoint):
                 rest = [tup, *tuples]
                 for item in rest:
-                    decoded = self._decoded(item, remember=False, listing=listing)
+                    decoded = run_steps(self._decoded(item, False, listing))
                     assert decoded is not None
                     yield decoded
                 return
@@ -281,7 +243,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             if message_refs(tup.checkpoint):
                 rest = [tup, *[item async for item in tuples]]
                 for item in rest:
-                    decoded = await self._adecoded(item, remember=False, listing=listing)
+                    decoded = await arun_steps(self._decoded(item, False, listing))
                     assert decoded is not None
                     yield decoded
                 return
@@ -299,17 +261,18 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         self._check_readable(_where(config)[0], refs)
         return refs
 
-    def _seeded(
-        self,
-        config: RunnableConfig,
-        history: Mapping[str, DeltaChannelHistory],
-        loaded: Mapping[str, list[LoadedRow]],
-    ) -> dict[str, DeltaChannelHistory]:
+    def _get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Steps[Mapping[str, DeltaChannelHistory]]:
+        history = yield io(
+            self.inner, "get_delta_channel_history", config=config, channels=channels
+        )
+        if not (refs := self._seed_refs(config, history)):
+            return cast(Mapping[str, DeltaChannelHistory], history)
         thread_id, _ = _where(config)
         result = dict(history)
-        for channel, rows in loaded.items():
-            ref = read_marker(history[channel].get("seed"))
-            assert ref is not None
+        for channel, ref in refs.items():
+            rows = yield io(self, "_call", "messages_read", thread_id, ref.seq, ref.length)
             entry = DeltaChannelHistory(writes=history[channel]["writes"])
             decoded = rebuild(thread_id, ref, rows, self.serde)[0]
             entry["seed"] = as_value(thread_id, ref, decoded)[0]
@@ -342,18 +305,38 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         clone.inner = inner
         return clone
 
-    # -- sync protocol ---------------------------------------------------------------------
+    # -- the protocol ------------------------------------------------------------------------
 
     def get(self, config: RunnableConfig) -> Checkpoint | None:
         tup = self.get_tuple(config)  # not the inner get: its lists must be rebuilt
         return None if tup is None else tup.checkpoint
 
-    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+    async def aget(self, config: RunnableConfig) -> Checkpoint | None:
+        tup = await self.aget_tuple(config)
+        return None if tup is None else tup.checkpoint
+
+    def _held_calls(self, calls: list[Any]) -> Steps[None]:
+        """Perform storage calls from :class:`HeldCheckpoints`: ``put`` is our own (it
+        stores the messages a checkpoint refers to), ``put_writes`` the saver's."""
+        for kind, args in calls:
+            if kind == "put":
+                yield from self._store(*args)
+            else:
+                yield io(self.inner, "put_writes", *args)
+
+    def _get_tuple(self, config: RunnableConfig) -> Steps[CheckpointTuple | None]:
         _checked(config)
         with mapped_errors("get_tuple"):
             if self.held is not None:
-                run_sync(self._put, self.inner.put_writes, self.held.release(config))
-            return self._decoded(self.inner.get_tuple(config), remember=True)
+                yield from self._held_calls(self.held.release(config))
+            tup = yield io(self.inner, "get_tuple", config)
+            return (yield from self._decoded(tup, True, None))
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return run_steps(self._get_tuple(config))
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return await arun_steps(self._get_tuple(config))
 
     def list(
         self,
@@ -364,63 +347,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
         if self.held is not None:
-            run_sync(self._put, self.inner.put_writes, self.held.release(config))
+            run_steps(self._held_calls(self.held.release(config)))
         return self._decoding(self.inner.list(config, filter=filter, before=before, limit=limit))
-
-    def put(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        _checked(config)
-        with mapped_errors("put"):
-            if self.held is None:
-                return self._put(config, checkpoint, metadata, new_versions)
-            args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-            return next_config if args is None else self._put(*args)
-
-    def put_writes(
-        self,
-        config: RunnableConfig,
-        writes: Sequence[tuple[str, Any]],
-        task_id: str,
-        task_path: str = "",
-    ) -> None:
-        _checked(config)
-        with mapped_errors("put_writes"):
-            if self.held is None:
-                self.inner.put_writes(config, writes, task_id, task_path)
-            else:
-                held = self.held.put_writes(config, writes, task_id, task_path)
-                run_sync(self._put, self.inner.put_writes, held)
-
-    def get_delta_channel_history(
-        self, *, config: RunnableConfig, channels: Sequence[str]
-    ) -> Mapping[str, DeltaChannelHistory]:
-        history = self.inner.get_delta_channel_history(config=config, channels=channels)
-        if not (refs := self._seed_refs(config, history)):
-            return history
-        thread_id, _ = _where(config)
-        loaded = {
-            channel: self._call("messages_read", thread_id, ref.seq, ref.length)
-            for channel, ref in refs.items()
-        }
-        return self._seeded(config, history, loaded)
-
-    # -- async protocol --------------------------------------------------------------------
-
-    async def aget(self, config: RunnableConfig) -> Checkpoint | None:
-        tup = await self.aget_tuple(config)
-        return None if tup is None else tup.checkpoint
-
-    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        _checked(config)
-        with mapped_errors("get_tuple"):
-            if self.held is not None:
-                await run_async(self._aput, self.inner.aput_writes, self.held.release(config))
-            return await self._adecoded(await self.inner.aget_tuple(config), remember=True)
 
     async def alist(
         self,
@@ -431,10 +359,33 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
         if self.held is not None:
-            await run_async(self._aput, self.inner.aput_writes, self.held.release(config))
+            await arun_steps(self._held_calls(self.held.release(config)))
         tuples = self.inner.alist(config, filter=filter, before=before, limit=limit)
         async for item in self._adecoding(tuples):
             yield item
+
+    def _put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> Steps[RunnableConfig]:
+        _checked(config)
+        with mapped_errors("put"):
+            if self.held is None:
+                return (yield from self._store(config, checkpoint, metadata, new_versions))
+            args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
+            return next_config if args is None else (yield from self._store(*args))
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        return run_steps(self._put(config, checkpoint, metadata, new_versions))
 
     async def aput(
         self,
@@ -443,12 +394,31 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
+        return await arun_steps(self._put(config, checkpoint, metadata, new_versions))
+
+    def _put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> Steps[None]:
         _checked(config)
-        with mapped_errors("put"):
+        with mapped_errors("put_writes"):
             if self.held is None:
-                return await self._aput(config, checkpoint, metadata, new_versions)
-            args, next_config = self.held.put(config, checkpoint, metadata, new_versions)
-            return next_config if args is None else await self._aput(*args)
+                yield io(self.inner, "put_writes", config, writes, task_id, task_path)
+            else:
+                held = self.held.put_writes(config, writes, task_id, task_path)
+                yield from self._held_calls(held)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        run_steps(self._put_writes(config, writes, task_id, task_path))
 
     async def aput_writes(
         self,
@@ -457,23 +427,15 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         task_id: str,
         task_path: str = "",
     ) -> None:
-        _checked(config)
-        with mapped_errors("put_writes"):
-            if self.held is None:
-                await self.inner.aput_writes(config, writes, task_id, task_path)
-            else:
-                held = self.held.put_writes(config, writes, task_id, task_path)
-                await run_async(self._aput, self.inner.aput_writes, held)
+        await arun_steps(self._put_writes(config, writes, task_id, task_path))
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        return run_steps(self._get_delta_channel_history(config=config, channels=channels))
 
     async def aget_delta_channel_history(
         self, *, config: RunnableConfig, channels: Sequence[str]
     ) -> Mapping[str, DeltaChannelHistory]:
-        history = await self.inner.aget_delta_channel_history(config=config, channels=channels)
-        if not (refs := self._seed_refs(config, history)):
-            return history
-        thread_id, _ = _where(config)
-        loaded = {
-            channel: await self._acall("messages_read", thread_id, ref.seq, ref.length)
-            for channel, ref in refs.items()
-        }
-        return self._seeded(config, history, loaded)
+        steps = self._get_delta_channel_history(config=config, channels=channels)
+        return await arun_steps(steps)

@@ -26,7 +26,7 @@ input, interrupts and errors are recognised and ``every_step`` is the safe choic
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -211,29 +211,3 @@ class HeldCheckpoints:
 
 def _flush(held: _Held) -> list[Any]:
     return [("put", held.put_args()), *(("writes", w) for w in held.writes)]
-
-
-def run_sync(put: Callable[..., Any], put_writes: Callable[..., Any], calls: list[Any]) -> None:
-    """Perform storage calls from :class:`HeldCheckpoints` on the sync face.
-
-    ``put`` is the checkpointer's own (it stores the messages a checkpoint refers to), not
-    the bare saver's; ``put_writes`` the saver's.
-    """
-    for kind, args in calls:
-        if kind == "put":
-            put(*args)
-        else:
-            put_writes(*args)
-
-
-async def run_async(
-    put: Callable[..., Awaitable[Any]],
-    put_writes: Callable[..., Awaitable[Any]],
-    calls: list[Any],
-) -> None:
-    """Perform storage calls from :class:`HeldCheckpoints` on the async face."""
-    for kind, args in calls:
-        if kind == "put":
-            await put(*args)
-        else:
-            await put_writes(*args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from taskpilots_graph.checkpointers._rows import entry_params
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
@@ -207,7 +208,11 @@ class _ThreadMessages:
 
 
 class AsyncMemoryStore:
-    """Async face of :class:`MemoryStore`; operations never block, so they run inline."""
+    """Async face of :class:`MemoryStore`; operations never block, so they run inline.
+
+    Every public method of :class:`MemoryStore` but ``setup`` is offered as a coroutine
+    function of the same name and arguments.
+    """
 
     def __init__(self, store: MemoryStore | None = None) -> None:
         self.sync = store or MemoryStore()
@@ -217,63 +222,12 @@ class AsyncMemoryStore:
         if inner_setup is not None:
             await inner_setup()
 
-    async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
-        return self.sync.append_events(records)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # (copy and pickle probe dunders before ``sync`` exists)
+            raise AttributeError(name)
+        method = getattr(self.sync, name)
 
-    async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        return self.sync.events(thread_id, after_seq=after_seq)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return method(*args, **kwargs)
 
-    async def delete_thread(self, thread_id: str) -> None:
-        self.sync.delete_thread(thread_id)
-
-    async def messages_write(self, rows: MessageRows) -> None:
-        self.sync.messages_write(rows)
-
-    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
-        return self.sync.messages_read(thread_id, seq, length)
-
-    async def ledger_get(self, key: str) -> LedgerEntry | None:
-        return self.sync.ledger_get(key)
-
-    async def ledger_write(
-        self,
-        entry: LedgerEntry,
-        *,
-        expect: tuple[LedgerStatus, int] | None,
-        events: Sequence[PendingRecord] = (),
-    ) -> list[Event]:
-        return self.sync.ledger_write(entry, expect=expect, events=events)
-
-    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        return self.sync.ledger(thread_id)
-
-    async def ledger_repeat(
-        self, thread_id: str, tool: str, args_digest: str
-    ) -> CommittedEffect | None:
-        return self.sync.ledger_repeat(thread_id, tool, args_digest)
-
-    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        return self.sync.ledger_committed_digests(thread_id)
-
-    async def decision_get(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str
-    ) -> str | None:
-        return self.sync.decision_get(thread_id, checkpoint_ns, input_digest)
-
-    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
-        return self.sync.decision_digests(thread_id, checkpoint_ns)
-
-    async def decision_forget(self, thread_id: str, since: float) -> int:
-        return self.sync.decision_forget(thread_id, since)
-
-    async def put_artifact(self, artifact: PreparedArtifact) -> None:
-        self.sync.put_artifact(artifact)
-
-    async def get_artifact(self, artifact_id: str) -> bytes | None:
-        return self.sync.get_artifact(artifact_id)
-
-    async def delete_artifacts(self, thread_id: str) -> None:
-        self.sync.delete_artifacts(thread_id)
-
-    async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
-        return self.sync.compact_events(thread_id, policy)
+        return call

@@ -34,27 +34,27 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from taskpilots_graph.checkpointers import _schema as sql
 from taskpilots_graph.checkpointers._pg_connect import connection_lost, storage_error
-from taskpilots_graph.checkpointers._rows import (
-    decision_params,
-    ledger_list_sql,
-    ledger_write_sql,
-    repeat_params,
-    row_to_committed,
-    row_to_entry,
+from taskpilots_graph.checkpointers._rows import ledger_write_sql
+from taskpilots_graph.checkpointers._sqlstore import (
+    STATEMENTS,
+    AsyncSqlQueries,
+    Fetch,
+    SqlQueries,
+    afetched,
+    artifact_key,
+    compaction_params,
+    fetched,
+    pending_migrations,
 )
-from taskpilots_graph.checkpointers.artifacts import (
-    ARTIFACTS_TABLE,
-    PreparedArtifact,
-    stored_bytes,
-)
+from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.base import (
     DecisionRecord,
     HeldCommit,
     PendingRecord,
     rows_to_events,
 )
-from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows, pending_ride
-from taskpilots_graph.compaction import CompactionPolicy, EventCompaction
+from taskpilots_graph.checkpointers.messages import MessageRows, pending_ride
+from taskpilots_graph.compaction import CompactionPolicy
 from taskpilots_graph.errors import (
     ConfigurationError,
     LedgerConflict,
@@ -62,7 +62,7 @@ from taskpilots_graph.errors import (
     StorageError,
 )
 from taskpilots_graph.events import Event, EventRecord
-from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]
 
@@ -98,46 +98,53 @@ class _Failed(Exception):
         return typed
 
 
+def _retry_or_raise(exc: _Failed | psycopg.Error, operation: str, attempt: int) -> None:
+    """Return to retry (once) a call that cannot have changed anything; else raise typed."""
+    if isinstance(exc, _Failed):
+        if exc.retry and attempt == 1:
+            return
+        raise exc.typed(operation) from exc.exc
+    if (typed := storage_error(exc, operation)) is None:  # outside _transaction (setup)
+        raise exc
+    raise typed from exc
+
+
+def _retrying(operation: str, call: Callable[[], R]) -> R:
+    """``call()``, its psycopg failures typed as store method ``operation``'s."""
+    for attempt in (1, 2):
+        try:
+            return call()
+        except (_Failed, psycopg.Error) as exc:
+            _retry_or_raise(exc, operation, attempt)
+    raise AssertionError("unreachable")
+
+
+async def _aretrying(operation: str, call: Callable[[], Awaitable[R]]) -> R:
+    """Async twin of :func:`_retrying`."""
+    for attempt in (1, 2):
+        try:
+            return await call()
+        except (_Failed, psycopg.Error) as exc:
+            _retry_or_raise(exc, operation, attempt)
+    raise AssertionError("unreachable")
+
+
 def _guarded(method: Callable[P, R]) -> Callable[P, R]:
     """Type the store's psycopg failures; retry once a call that cannot have changed anything."""
-    operation = method.__name__
 
     @functools.wraps(method)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        for attempt in (1, 2):
-            try:
-                return method(*args, **kwargs)
-            except _Failed as failed:
-                if failed.retry and attempt == 1:
-                    continue
-                raise failed.typed(operation) from failed.exc
-            except psycopg.Error as exc:  # outside _transaction (setup)
-                if (typed := storage_error(exc, operation)) is None:
-                    raise
-                raise typed from exc
-        raise AssertionError("unreachable")
+        return _retrying(method.__name__, lambda: method(*args, **kwargs))
 
     return run
 
 
 def _aguarded(method: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     """Async twin of :func:`_guarded`."""
-    operation = method.__name__
 
     @functools.wraps(method)
     async def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        for attempt in (1, 2):
-            try:
-                return await method(*args, **kwargs)
-            except _Failed as failed:
-                if failed.retry and attempt == 1:
-                    continue
-                raise failed.typed(operation) from failed.exc
-            except psycopg.Error as exc:
-                if (typed := storage_error(exc, operation)) is None:
-                    raise
-                raise typed from exc
-        raise AssertionError("unreachable")
+        return await _aretrying(method.__name__, lambda: method(*args, **kwargs))
 
     return run
 
@@ -155,15 +162,6 @@ def _schema_error(current: int) -> StorageError | None:
             f"{sql.SCHEMA_VERSION}; call checkpointer.setup() once to migrate it"
         )
     return None
-
-
-def _pending(current: int) -> list[tuple[int, str]]:
-    if current > sql.SCHEMA_VERSION:
-        raise MigrationError(
-            f"the database schema is at version {current}, newer than this library's "
-            f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
-        )
-    return [(v, sql.MIGRATIONS[_D][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
 
 
 _TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
@@ -301,18 +299,6 @@ def _message_params(rows: MessageRows) -> dict[str, Any]:
     }
 
 
-def _loaded(rows: Any) -> list[LoadedRow]:
-    return [(int(p), bytes(k), str(t), bytes(b)) for p, k, t, b in rows]
-
-
-def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
-    return [(change.encoded, change.thread_id, change.seq) for change in plan]
-
-
-def _artifact_key(artifact: PreparedArtifact) -> dict[str, Any]:
-    return {"id": artifact.ref.id, "thread_id": artifact.thread_id}
-
-
 def _missing_tables(exc: errors.UndefinedTable) -> StorageError:
     return StorageError(
         "the taskpilots tables do not exist in this database; call checkpointer.setup() "
@@ -320,8 +306,10 @@ def _missing_tables(exc: errors.UndefinedTable) -> StorageError:
     )
 
 
-class PostgresStore:
+class PostgresStore(SqlQueries):
     """Synchronous recovery store on a psycopg ``ConnectionPool`` or ``Connection``."""
+
+    _dialect = _D
 
     def __init__(self, conn: Connection[Any] | ConnectionPool[Any], lock: threading.Lock) -> None:
         self.conn = conn
@@ -367,6 +355,24 @@ class PostgresStore:
                 raise
             raise _Failed(exc, sent=sent) from exc
 
+    def _run(
+        self,
+        operation: str,
+        params: Any,
+        fetch: Fetch,
+        *,
+        statement: str | None = None,
+        write: bool = False,
+        binary: bool | None = None,
+    ) -> Any:
+        statement = statement or STATEMENTS[_D][operation]
+
+        def once() -> Any:
+            with self._transaction(write=write) as cur:
+                return fetched(cur.execute(statement, params, binary=binary), fetch)
+
+        return _retrying(operation, once)
+
     def _check_schema(self, cur: Any) -> None:
         problem = _schema_error(cur.execute(sql.SELECT_VERSION).fetchone()[0])
         if problem is not None:
@@ -392,7 +398,8 @@ class PostgresStore:
                     self._unlocked(inner_setup)
                 with conn.transaction():
                     cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
-                    for version, script in _pending(cur.execute(sql.SELECT_VERSION).fetchone()[0]):  # type: ignore[index]
+                    current = cur.execute(sql.SELECT_VERSION).fetchone()[0]  # type: ignore[index]
+                    for version, script in pending_migrations(_D, current):
                         # Scripts hold several statements, which cannot be prepared
                         # (the pool's connections prepare everything: prepare_threshold=0).
                         cur.execute(script, prepare=False)
@@ -419,12 +426,6 @@ class PostgresStore:
             return _append_all(cur, records)
 
     @_guarded
-    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        with self._transaction(write=False) as cur:
-            rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
-        return rows_to_events(rows)
-
-    @_guarded
     def delete_thread(self, thread_id: str) -> None:
         with self._transaction() as cur:
             for statement in sql.DELETE_THREAD[_D]:
@@ -447,13 +448,6 @@ class PostgresStore:
             cur.execute(_MESSAGES["write"], _message_params(rows))
 
     @_guarded
-    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
-        """The rows of positions ``0..length-1`` of sequence ``seq``, by position."""
-        params = {"thread_id": thread_id, "seq": seq, "len": length}
-        with self._transaction(write=False) as cur:
-            return _loaded(cur.execute(_MESSAGES["read"], params, binary=True).fetchall())
-
-    @_guarded
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         with self._transaction() as cur:
@@ -461,12 +455,6 @@ class PostgresStore:
             for statement in rest:
                 cur.execute(statement, (thread_id,))
         return int(removed)
-
-    @_guarded
-    def ledger_get(self, key: str) -> LedgerEntry | None:
-        with self._transaction(write=False) as cur:
-            row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
-        return None if row is None else row_to_entry(row)
 
     @_guarded
     def ledger_write(
@@ -510,61 +498,10 @@ class PostgresStore:
         return write
 
     @_guarded
-    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        statement, params = ledger_list_sql(_D, thread_id)
-        with self._transaction(write=False) as cur:
-            rows = cur.execute(statement, params).fetchall()
-        return [row_to_entry(row) for row in rows]
-
-    @_guarded
-    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
-        params = repeat_params(thread_id, tool, args_digest)
-        with self._transaction(write=False) as cur:
-            row = cur.execute(_LEDGER["repeat"], params).fetchone()
-        return None if row is None else row_to_committed(row)
-
-    @_guarded
-    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        with self._transaction(write=False) as cur:
-            rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id}).fetchall()
-        return [(str(tool), str(digest)) for tool, digest in rows]
-
-    @_guarded
-    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest)
-        with self._transaction(write=False) as cur:
-            row = cur.execute(_LEDGER["decision_get"], params).fetchone()
-        return None if row is None else str(row[0])
-
-    @_guarded
-    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
-        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
-        with self._transaction(write=False) as cur:
-            return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
-
-    @_guarded
-    def decision_forget(self, thread_id: str, since: float) -> int:
-        with self._transaction() as cur:
-            params = {"thread_id": thread_id, "since": since}
-            return int(cur.execute(_LEDGER["decision_forget"], params).rowcount)
-
-    @_guarded
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._transaction() as cur:
-            if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
+            if cur.execute(_ARTIFACTS["exists"], artifact_key(artifact)).fetchone() is None:
                 cur.execute(_ARTIFACTS["put"], artifact.params())
-
-    @_guarded
-    def get_artifact(self, artifact_id: str) -> bytes | None:
-        # binary=True: the payload comes back as raw bytes, not as hex text twice its size.
-        with self._transaction(write=False) as cur:
-            row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True).fetchone()
-        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
-
-    @_guarded
-    def delete_artifacts(self, thread_id: str) -> None:
-        with self._transaction() as cur:
-            cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     @_guarded
     def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
@@ -574,16 +511,18 @@ class PostgresStore:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)).fetchall()
             plan = policy.plan(rows_to_events(rows))
             if plan:
-                cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+                cur.executemany(sql.COMPACT_EVENT[_D], compaction_params(plan))
         return len(plan)
 
 
-class AsyncPostgresStore:
+class AsyncPostgresStore(AsyncSqlQueries):
     """Asynchronous recovery store on a psycopg ``AsyncConnectionPool`` or ``AsyncConnection``.
 
     Over a pool, calls run concurrently on separate connections; no per-instance lock
     funnels them (the bottleneck of ``AsyncPostgresSaver``, LangGraph #7259).
     """
+
+    _dialect = _D
 
     def __init__(
         self, conn: AsyncConnection[Any] | AsyncConnectionPool[Any], lock: asyncio.Lock
@@ -628,6 +567,25 @@ class AsyncPostgresStore:
                 raise
             raise _Failed(exc, sent=sent) from exc
 
+    async def _run(
+        self,
+        operation: str,
+        params: Any,
+        fetch: Fetch,
+        *,
+        statement: str | None = None,
+        write: bool = False,
+        binary: bool | None = None,
+    ) -> Any:
+        statement = statement or STATEMENTS[_D][operation]
+
+        async def once() -> Any:
+            async with self._transaction(write=write) as cur:
+                await cur.execute(statement, params, binary=binary)
+                return await afetched(cur, fetch)
+
+        return await _aretrying(operation, once)
+
     async def _check_schema(self, cur: Any) -> None:
         (current,) = await (await cur.execute(sql.SELECT_VERSION)).fetchone()
         if (problem := _schema_error(current)) is not None:
@@ -649,7 +607,7 @@ class AsyncPostgresStore:
                 async with conn.transaction():
                     await cur.execute(sql.CREATE_MIGRATIONS_TABLE[_D])
                     (current,) = await (await cur.execute(sql.SELECT_VERSION)).fetchone()  # type: ignore[misc]
-                    for version, script in _pending(current):
+                    for version, script in pending_migrations(_D, current):
                         await cur.execute(script, prepare=False)
                         await cur.execute(sql.INSERT_VERSION[_D], (version,))
                 self.schema_checked = True
@@ -670,13 +628,6 @@ class AsyncPostgresStore:
     async def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         async with self._transaction(begin=len(_by_thread(records)) > 1) as cur:
             return await _aappend_all(cur, records)
-
-    @_aguarded
-    async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        async with self._transaction(write=False) as cur:
-            await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq))
-            rows = await cur.fetchall()
-        return rows_to_events(rows)
 
     @_aguarded
     async def delete_thread(self, thread_id: str) -> None:
@@ -701,14 +652,6 @@ class AsyncPostgresStore:
             await cur.execute(_MESSAGES["write"], _message_params(rows))
 
     @_aguarded
-    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
-        """Async twin of :meth:`PostgresStore.messages_read`."""
-        params = {"thread_id": thread_id, "seq": seq, "len": length}
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_MESSAGES["read"], params, binary=True)
-            return _loaded(await cur.fetchall())
-
-    @_aguarded
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         async with self._transaction() as cur:
@@ -717,13 +660,6 @@ class AsyncPostgresStore:
             for statement in rest:
                 await cur.execute(statement, (thread_id,))
         return int(removed)
-
-    @_aguarded
-    async def ledger_get(self, key: str) -> LedgerEntry | None:
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_LEDGER["get"], {"key": key})
-            row = await cur.fetchone()
-        return None if row is None else row_to_entry(row)
 
     @_aguarded
     async def ledger_write(
@@ -745,70 +681,11 @@ class AsyncPostgresStore:
             return await _aappend_all(cur, events)
 
     @_aguarded
-    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        statement, params = ledger_list_sql(_D, thread_id)
-        async with self._transaction(write=False) as cur:
-            await cur.execute(statement, params)
-            rows = await cur.fetchall()
-        return [row_to_entry(row) for row in rows]
-
-    @_aguarded
-    async def ledger_repeat(
-        self, thread_id: str, tool: str, args_digest: str
-    ) -> CommittedEffect | None:
-        params = repeat_params(thread_id, tool, args_digest)
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_LEDGER["repeat"], params)
-            row = await cur.fetchone()
-        return None if row is None else row_to_committed(row)
-
-    @_aguarded
-    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
-            return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
-
-    @_aguarded
-    async def decision_get(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str
-    ) -> str | None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest)
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_LEDGER["decision_get"], params)
-            row = await cur.fetchone()
-        return None if row is None else str(row[0])
-
-    @_aguarded
-    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
-        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_LEDGER["decision_digests"], params)
-            return [str(row[0]) for row in await cur.fetchall()]
-
-    @_aguarded
-    async def decision_forget(self, thread_id: str, since: float) -> int:
-        async with self._transaction() as cur:
-            await cur.execute(_LEDGER["decision_forget"], {"thread_id": thread_id, "since": since})
-            return int(cur.rowcount)
-
-    @_aguarded
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         async with self._transaction() as cur:
-            await cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact))
+            await cur.execute(_ARTIFACTS["exists"], artifact_key(artifact))
             if await cur.fetchone() is None:
                 await cur.execute(_ARTIFACTS["put"], artifact.params())
-
-    @_aguarded
-    async def get_artifact(self, artifact_id: str) -> bytes | None:
-        async with self._transaction(write=False) as cur:
-            await cur.execute(_ARTIFACTS["get"], {"id": artifact_id}, binary=True)
-            row = await cur.fetchone()
-        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
-
-    @_aguarded
-    async def delete_artifacts(self, thread_id: str) -> None:
-        async with self._transaction() as cur:
-            await cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     @_aguarded
     async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
@@ -816,5 +693,5 @@ class AsyncPostgresStore:
             await cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0))
             plan = policy.plan(rows_to_events(await cur.fetchall()))
             if plan:
-                await cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+                await cur.executemany(sql.COMPACT_EVENT[_D], compaction_params(plan))
         return len(plan)

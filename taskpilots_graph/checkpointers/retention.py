@@ -39,7 +39,8 @@ from langgraph.checkpoint.base import CheckpointTuple
 from langgraph.checkpoint.memory import InMemorySaver
 
 from taskpilots_graph._thread_index import athread_ids, thread_ids
-from taskpilots_graph.checkpointers._optional import drop_memory_checkpoints, rows_for
+from taskpilots_graph._twins import Steps, arun_steps, asynced, both, io, run_steps, synced
+from taskpilots_graph.checkpointers._optional import Rows, drop_memory_checkpoints, rows_for
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
@@ -149,13 +150,8 @@ def _prune_memory(saver: InMemorySaver, thread_id: str, keep: Sequence[str]) -> 
     return removed
 
 
-def _lease_owner(leases: LeaseBackend | None, thread_id: str) -> str | None:
-    held = leases.holder(thread_lease_name(thread_id)) if leases is not None else None
-    return None if held is None else held.owner
-
-
-async def _alease_owner(leases: LeaseBackend | None, thread_id: str) -> str | None:
-    held = await leases.aholder(thread_lease_name(thread_id)) if leases is not None else None
+def _lease_owner(leases: LeaseBackend | None, thread_id: str) -> Steps[str | None]:
+    held = None if leases is None else (yield io(leases, "holder", thread_lease_name(thread_id)))
     return None if held is None else held.owner
 
 
@@ -163,65 +159,42 @@ def _config(thread_id: str) -> Any:
     return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
 
 
-def prune(
+def _prune(
     cp: RecoveryAPI,
     thread_ids: Sequence[str],
     *,
     keep: Keep = "latest",
     leases: LeaseBackend | None = None,
-) -> PruneReport:
+) -> Steps[PruneReport]:
     """Delete the threads' old checkpoints (see the module docs)."""
     _check_keep(keep)
     ids = _thread_ids(thread_ids)
-    latest = {t: cp.inner.get_tuple(_config(t)) for t in ids}
+    latest = {}
+    for t in ids:
+        latest[t] = yield io(cp.inner, "get_tuple", _config(t))
     if missing := [t for t, tup in latest.items() if tup is None]:
         raise ThreadNotFound(missing[0])
     refused: dict[str, str] = {}
     pruned: list[str] = []
     removed = 0
     for thread_id in ids:
-        reason = refusal(latest[thread_id], cp.ledger(thread_id), _lease_owner(leases, thread_id))
+        entries = yield io(cp, "ledger", thread_id)
+        reason = refusal(latest[thread_id], entries, (yield from _lease_owner(leases, thread_id)))
         if reason is not None:
             refused[thread_id] = reason
             continue
-        kept = milestone_checkpoints(cp.events(thread_id)) if keep == "milestones" else []
+        events = (yield io(cp, "events", thread_id)) if keep == "milestones" else []
+        kept = milestone_checkpoints(events)
         if isinstance(cp.inner, InMemorySaver):
             removed += _prune_memory(cp.inner, thread_id, kept)
         else:
-            removed += int(cp._call("prune_checkpoints", thread_id, kept))
+            removed += int((yield io(cp, "_call", "prune_checkpoints", thread_id, kept)))
         pruned.append(thread_id)
     return PruneReport(pruned=tuple(pruned), refused=refused, checkpoints_removed=removed)
 
 
-async def aprune(
-    cp: RecoveryAPI,
-    thread_ids: Sequence[str],
-    *,
-    keep: Keep = "latest",
-    leases: LeaseBackend | None = None,
-) -> PruneReport:
-    """Async form of :func:`prune`."""
-    _check_keep(keep)
-    ids = _thread_ids(thread_ids)
-    latest = {t: await cp.inner.aget_tuple(_config(t)) for t in ids}
-    if missing := [t for t, tup in latest.items() if tup is None]:
-        raise ThreadNotFound(missing[0])
-    refused: dict[str, str] = {}
-    pruned: list[str] = []
-    removed = 0
-    for thread_id in ids:
-        owner = await _alease_owner(leases, thread_id)
-        reason = refusal(latest[thread_id], await cp.aledger(thread_id), owner)
-        if reason is not None:
-            refused[thread_id] = reason
-            continue
-        kept = milestone_checkpoints(await cp.aevents(thread_id)) if keep == "milestones" else []
-        if isinstance(cp.inner, InMemorySaver):
-            removed += _prune_memory(cp.inner, thread_id, kept)
-        else:
-            removed += int(await cp._acall("prune_checkpoints", thread_id, kept))
-        pruned.append(thread_id)
-    return PruneReport(pruned=tuple(pruned), refused=refused, checkpoints_removed=removed)
+prune = synced(_prune)
+aprune = asynced(_prune)
 
 
 def _strategy_ids(thread_ids: Sequence[str], strategy: str) -> list[str]:
@@ -274,25 +247,7 @@ def prune_strategy(cp: RecoveryAPI, thread_ids: Sequence[str], strategy: str) ->
             ``"keep_latest"`` on a thread that uses a ``DeltaChannel``.
     """
     ids = _strategy_ids(thread_ids, strategy)
-    if not ids:
-        return PruneReport()
-    if strategy == "delete":
-        for thread_id in ids:
-            cp.delete_thread(thread_id)
-        return PruneReport(deleted=tuple(ids))
-    rows = rows_for(cp, "prune")
-    if rows.own_prune:
-        with _delta_refused():
-            cp.inner.prune(ids, strategy=strategy)
-        return PruneReport(pruned=tuple(ids))
-    _refuse_delta(rows.delta_threads(ids))
-    removed = 0
-    for thread_id in ids:
-        if isinstance(cp.inner, InMemorySaver):
-            removed += _prune_memory(cp.inner, thread_id, ())
-        else:
-            removed += int(cp._call("prune_checkpoints", thread_id, []))
-    return PruneReport(pruned=tuple(ids), checkpoints_removed=removed)
+    return run_steps(_prune_strategy(cp, ids, strategy, None)) if ids else PruneReport()
 
 
 async def aprune_strategy(cp: RecoveryAPI, thread_ids: Sequence[str], strategy: str) -> PruneReport:
@@ -303,27 +258,35 @@ async def aprune_strategy(cp: RecoveryAPI, thread_ids: Sequence[str], strategy: 
     rows = rows_for(cp, "prune")
     if not rows.has_async:  # a sync saver's async methods raise: use its sync ones
         return await asyncio.to_thread(prune_strategy, cp, ids, strategy)
+    return await arun_steps(_prune_strategy(cp, ids, strategy, rows))
+
+
+def _prune_strategy(
+    cp: RecoveryAPI, ids: list[str], strategy: str, rows: Rows | None
+) -> Steps[PruneReport]:
+    """The body of :func:`prune_strategy` (``rows``: found already, or found here)."""
     if strategy == "delete":
         for thread_id in ids:
-            await cp.adelete_thread(thread_id)
+            yield io(cp, "delete_thread", thread_id)
         return PruneReport(deleted=tuple(ids))
+    rows = rows_for(cp, "prune") if rows is None else rows
     if rows.own_prune:
         with _delta_refused():
-            await cp.inner.aprune(ids, strategy=strategy)
+            yield io(cp.inner, "prune", ids, strategy=strategy)
         return PruneReport(pruned=tuple(ids))
-    _refuse_delta(await rows.adelta_threads(ids))
+    _refuse_delta((yield io(rows, "delta_threads", ids)))
     removed = 0
     for thread_id in ids:
         if isinstance(cp.inner, InMemorySaver):
             removed += _prune_memory(cp.inner, thread_id, ())
         else:
-            removed += int(await cp._acall("prune_checkpoints", thread_id, []))
+            removed += int((yield io(cp, "_call", "prune_checkpoints", thread_id, [])))
     return PruneReport(pruned=tuple(ids), checkpoints_removed=removed)
 
 
-def sweep(
+def _sweep(
     cp: RecoveryAPI, *, older_than: float | timedelta, leases: LeaseBackend | None = None
-) -> PruneReport:
+) -> Steps[PruneReport]:
     """Delete whole threads (checkpoints, events, ledger, artifacts) idle for longer than
     ``older_than`` (seconds or a ``timedelta``), except those that must keep their history.
 
@@ -334,43 +297,23 @@ def sweep(
     cutoff = _cutoff(older_than)
     refused: dict[str, str] = {}
     deleted: list[str] = []
-    for thread_id in thread_ids(cp.inner):
-        latest = cp.inner.get_tuple(_config(thread_id))
+    for thread_id in (yield both(thread_ids, athread_ids, cp.inner)):
+        latest = yield io(cp.inner, "get_tuple", _config(thread_id))
         if latest is None:
             continue  # deleted since it was listed
-        events = cp.events(thread_id)
+        events = yield io(cp, "events", thread_id)
         last = max([_checkpoint_time(latest), *(e.ts.timestamp() for e in events[-1:])])
         if last >= cutoff:
             continue
-        reason = refusal(latest, cp.ledger(thread_id), _lease_owner(leases, thread_id))
+        entries = yield io(cp, "ledger", thread_id)
+        reason = refusal(latest, entries, (yield from _lease_owner(leases, thread_id)))
         if reason is not None:
             refused[thread_id] = reason
             continue
-        cp.delete_thread(thread_id)
+        yield io(cp, "delete_thread", thread_id)
         deleted.append(thread_id)
     return PruneReport(deleted=tuple(deleted), refused=refused)
 
 
-async def asweep(
-    cp: RecoveryAPI, *, older_than: float | timedelta, leases: LeaseBackend | None = None
-) -> PruneReport:
-    """Async form of :func:`sweep`."""
-    cutoff = _cutoff(older_than)
-    refused: dict[str, str] = {}
-    deleted: list[str] = []
-    for thread_id in await athread_ids(cp.inner):
-        latest = await cp.inner.aget_tuple(_config(thread_id))
-        if latest is None:
-            continue  # deleted since it was listed
-        events = await cp.aevents(thread_id)
-        last = max([_checkpoint_time(latest), *(e.ts.timestamp() for e in events[-1:])])
-        if last >= cutoff:
-            continue
-        owner = await _alease_owner(leases, thread_id)
-        reason = refusal(latest, await cp.aledger(thread_id), owner)
-        if reason is not None:
-            refused[thread_id] = reason
-            continue
-        await cp.adelete_thread(thread_id)
-        deleted.append(thread_id)
-    return PruneReport(deleted=tuple(deleted), refused=refused)
+sweep = synced(_sweep)
+asweep = asynced(_sweep)

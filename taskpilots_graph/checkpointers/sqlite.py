@@ -34,19 +34,19 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from taskpilots_graph.checkpointers import _schema as sql
-from taskpilots_graph.checkpointers._rows import (
-    decision_params,
-    ledger_list_sql,
-    ledger_write_sql,
-    repeat_params,
-    row_to_committed,
-    row_to_entry,
+from taskpilots_graph.checkpointers._rows import ledger_write_sql
+from taskpilots_graph.checkpointers._sqlstore import (
+    STATEMENTS,
+    AsyncSqlQueries,
+    Fetch,
+    SqlQueries,
+    afetched,
+    artifact_key,
+    compaction_params,
+    fetched,
+    pending_migrations,
 )
-from taskpilots_graph.checkpointers.artifacts import (
-    ARTIFACTS_TABLE,
-    PreparedArtifact,
-    stored_bytes,
-)
+from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.base import (
     SQLITE_BUSY_TIMEOUT_S,
     DecisionRecord,
@@ -57,16 +57,11 @@ from taskpilots_graph.checkpointers.base import (
     sqlite_error,
     sqlite_path,
 )
-from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows, pending_ride
-from taskpilots_graph.compaction import CompactionPolicy, EventCompaction
-from taskpilots_graph.errors import (
-    ConfigurationError,
-    LedgerConflict,
-    MigrationError,
-    StorageUnavailable,
-)
+from taskpilots_graph.checkpointers.messages import MessageRows, pending_ride
+from taskpilots_graph.compaction import CompactionPolicy
+from taskpilots_graph.errors import ConfigurationError, LedgerConflict, StorageUnavailable
 from taskpilots_graph.events import Event, EventRecord
-from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 
 __all__ = [
     "AsyncSqliteStore",
@@ -151,23 +146,14 @@ def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 
 
-def _pending(current: int) -> list[tuple[int, str]]:
-    if current > sql.SCHEMA_VERSION:
-        raise MigrationError(
-            f"the database schema is at version {current}, newer than this library's "
-            f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
-        )
-    return [(v, sql.MIGRATIONS[_D][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
-
-
 _HAS_MIGRATIONS: Final = (
     f"SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '{sql.MIGRATIONS_TABLE}'"
 )
 
 
 def _up_to_date(version: Any) -> bool:
-    """The file's schema is already this library's (``_pending`` refuses a newer one)."""
-    return version is not None and not _pending(int(version))
+    """The file's schema is already this library's (``pending_migrations`` refuses a newer one)."""
+    return version is not None and not pending_migrations(_D, int(version))
 
 
 def _append_params(record: EventRecord) -> tuple[Any, ...]:
@@ -226,18 +212,6 @@ def _message_writes(rows: MessageRows) -> list[tuple[str, list[tuple[Any, ...]]]
     ]
 
 
-def _loaded(rows: Any) -> list[LoadedRow]:
-    return [(int(p), bytes(k), str(t), bytes(b)) for p, k, t, b in rows]
-
-
-def _compaction_params(plan: Sequence[EventCompaction]) -> list[tuple[Any, ...]]:
-    return [(change.encoded, change.thread_id, change.seq) for change in plan]
-
-
-def _artifact_key(artifact: PreparedArtifact) -> dict[str, Any]:
-    return {"id": artifact.ref.id, "thread_id": artifact.thread_id}
-
-
 def _append_all(cur: sqlite3.Cursor, records: Sequence[PendingRecord]) -> list[Event]:
     stored = []
     for record in records:
@@ -261,8 +235,10 @@ async def _aappend_all(conn: Any, records: Sequence[PendingRecord]) -> list[Even
     return stored
 
 
-class SqliteStore:
+class SqliteStore(SqlQueries):
     """Synchronous recovery store sharing a ``SqliteSaver``'s connection and lock."""
+
+    _dialect = _D
 
     def __init__(self, conn: sqlite3.Connection, lock: threading.Lock) -> None:
         self.conn = conn
@@ -298,7 +274,9 @@ class SqliteStore:
         conn.commit()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for version, script in _pending(conn.execute(sql.SELECT_VERSION).fetchone()[0]):
+            for version, script in pending_migrations(
+                _D, conn.execute(sql.SELECT_VERSION).fetchone()[0]
+            ):
                 for statement in _statements(script):
                     conn.execute(statement)
                 conn.execute(sql.INSERT_VERSION[_D], (version,))
@@ -307,6 +285,11 @@ class SqliteStore:
             conn.rollback()
             raise
         self.is_setup = True
+
+    def _run(self, operation: str, params: Any, fetch: Fetch, **options: Any) -> Any:
+        statement = options.get("statement") or STATEMENTS[_D][operation]
+        with self._cursor(operation) as cur:
+            return fetched(cur.execute(statement, params), fetch)
 
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
         """Run ``inner_setup`` under the shared lock, then migrate the store's tables."""
@@ -319,11 +302,6 @@ class SqliteStore:
     def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         with self._cursor("append_events") as cur:
             return _append_all(cur, records)
-
-    def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
-        with self._cursor("events") as cur:
-            rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)).fetchall()
-        return rows_to_events(rows)
 
     def delete_thread(self, thread_id: str) -> None:
         with self._cursor("delete_thread") as cur:
@@ -354,12 +332,6 @@ class SqliteStore:
             if params:
                 cur.executemany(statement, params)
 
-    def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
-        """The rows of positions ``0..length-1`` of sequence ``seq``, by position."""
-        params = {"thread_id": thread_id, "seq": seq, "len": length}
-        with self._cursor("messages_read") as cur:
-            return _loaded(cur.execute(_MESSAGES["read"], params).fetchall())
-
     def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         with self._cursor("prune_checkpoints") as cur:
@@ -367,11 +339,6 @@ class SqliteStore:
             for statement in rest:
                 cur.execute(statement, (thread_id,))
         return int(removed)
-
-    def ledger_get(self, key: str) -> LedgerEntry | None:
-        with self._cursor("ledger_get") as cur:
-            row = cur.execute(_LEDGER["get"], {"key": key}).fetchone()
-        return None if row is None else row_to_entry(row)
 
     def ledger_write(
         self,
@@ -405,54 +372,10 @@ class SqliteStore:
 
         return write
 
-    def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        statement, params = ledger_list_sql(_D, thread_id)
-        with self._cursor("ledger") as cur:
-            rows = cur.execute(statement, params).fetchall()
-        return [row_to_entry(row) for row in rows]
-
-    def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
-        params = repeat_params(thread_id, tool, args_digest)
-        with self._cursor("ledger_repeat") as cur:
-            row = cur.execute(_LEDGER["repeat"], params).fetchone()
-        return None if row is None else row_to_committed(row)
-
-    def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        with self._cursor("ledger_committed_digests") as cur:
-            rows = cur.execute(_LEDGER["committed_digests"], {"thread_id": thread_id})
-            return [(str(tool), str(digest)) for tool, digest in rows]
-
-    def decision_get(self, thread_id: str, checkpoint_ns: str, input_digest: str) -> str | None:
-        with self._cursor("decision_get") as cur:
-            row = cur.execute(
-                _LEDGER["decision_get"], decision_params(thread_id, checkpoint_ns, input_digest)
-            ).fetchone()
-        return None if row is None else str(row[0])
-
-    def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
-        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
-        with self._cursor("decision_digests") as cur:
-            return [str(row[0]) for row in cur.execute(_LEDGER["decision_digests"], params)]
-
-    def decision_forget(self, thread_id: str, since: float) -> int:
-        with self._cursor("decision_forget") as cur:
-            return cur.execute(
-                _LEDGER["decision_forget"], {"thread_id": thread_id, "since": since}
-            ).rowcount
-
     def put_artifact(self, artifact: PreparedArtifact) -> None:
         with self._cursor("put_artifact") as cur:
-            if cur.execute(_ARTIFACTS["exists"], _artifact_key(artifact)).fetchone() is None:
+            if cur.execute(_ARTIFACTS["exists"], artifact_key(artifact)).fetchone() is None:
                 cur.execute(_ARTIFACTS["put"], artifact.params())
-
-    def get_artifact(self, artifact_id: str) -> bytes | None:
-        with self._cursor("get_artifact") as cur:
-            row = cur.execute(_ARTIFACTS["get"], {"id": artifact_id}).fetchone()
-        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
-
-    def delete_artifacts(self, thread_id: str) -> None:
-        with self._cursor("delete_artifacts") as cur:
-            cur.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         # Read and rewrite need not be one snapshot: appends only add newer events, and a
@@ -460,12 +383,14 @@ class SqliteStore:
         with self._cursor("compact_events") as cur:
             rows = cur.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)).fetchall()
             plan = policy.plan(rows_to_events(rows))
-            cur.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+            cur.executemany(sql.COMPACT_EVENT[_D], compaction_params(plan))
         return len(plan)
 
 
-class AsyncSqliteStore:
+class AsyncSqliteStore(AsyncSqlQueries):
     """Asynchronous recovery store sharing an ``AsyncSqliteSaver``'s connection and lock."""
+
+    _dialect = _D
 
     def __init__(self, conn: Any, lock: asyncio.Lock) -> None:
         self.conn = conn  # aiosqlite.Connection (untyped library)
@@ -488,7 +413,7 @@ class AsyncSqliteStore:
         try:
             async with conn.execute(sql.SELECT_VERSION) as cur:
                 (current,) = await cur.fetchone()
-            for version, script in _pending(current):
+            for version, script in pending_migrations(_D, current):
                 for statement in _statements(script):
                     await conn.execute(statement)
                 await conn.execute(sql.INSERT_VERSION[_D], (version,))
@@ -514,13 +439,13 @@ class AsyncSqliteStore:
         async with self._transaction("append_events") as conn:
             return await _aappend_all(conn, records)
 
-    async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
+    async def _run(self, operation: str, params: Any, fetch: Fetch, **options: Any) -> Any:
+        statement = options.get("statement") or STATEMENTS[_D][operation]
         async with (
-            self._transaction("events") as conn,
-            conn.execute(sql.SELECT_EVENTS[_D], (thread_id, after_seq)) as cur,
+            self._transaction(operation) as conn,
+            conn.execute(statement, params) as cur,
         ):
-            rows = await cur.fetchall()
-        return rows_to_events(rows)
+            return await afetched(cur, fetch)
 
     @asynccontextmanager
     async def _transaction(self, operation: str, *, fsync: bool = True) -> AsyncIterator[Any]:
@@ -572,15 +497,6 @@ class AsyncSqliteStore:
             if params:
                 await conn.executemany(statement, params)
 
-    async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
-        """Async twin of :meth:`SqliteStore.messages_read`."""
-        params = {"thread_id": thread_id, "seq": seq, "len": length}
-        async with (
-            self._transaction("messages_read") as conn,
-            conn.execute(_MESSAGES["read"], params) as cur,
-        ):
-            return _loaded(await cur.fetchall())
-
     async def prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> int:
         first, *rest = sql.PRUNE_CHECKPOINTS[_D]
         async with self._transaction("prune_checkpoints") as conn:
@@ -589,14 +505,6 @@ class AsyncSqliteStore:
             for statement in rest:
                 await conn.execute(statement, (thread_id,))
         return int(removed)
-
-    async def ledger_get(self, key: str) -> LedgerEntry | None:
-        async with (
-            self._transaction("ledger_get") as conn,
-            conn.execute(_LEDGER["get"], {"key": key}) as cur,
-        ):
-            row = await cur.fetchone()
-        return None if row is None else row_to_entry(row)
 
     async def ledger_write(
         self,
@@ -612,83 +520,19 @@ class AsyncSqliteStore:
                     raise LedgerConflict(entry.key)
             return await _aappend_all(conn, events)
 
-    async def ledger(self, thread_id: str | None = None) -> list[LedgerEntry]:
-        statement, params = ledger_list_sql(_D, thread_id)
-        async with self._transaction("ledger") as conn, conn.execute(statement, params) as cur:
-            rows = await cur.fetchall()
-        return [row_to_entry(row) for row in rows]
-
-    async def ledger_repeat(
-        self, thread_id: str, tool: str, args_digest: str
-    ) -> CommittedEffect | None:
-        params = repeat_params(thread_id, tool, args_digest)
-        async with (
-            self._transaction("ledger_repeat") as conn,
-            conn.execute(_LEDGER["repeat"], params) as cur,
-        ):
-            row = await cur.fetchone()
-        return None if row is None else row_to_committed(row)
-
-    async def ledger_committed_digests(self, thread_id: str) -> list[tuple[str, str]]:
-        params = {"thread_id": thread_id}
-        async with (
-            self._transaction("ledger_committed_digests") as conn,
-            conn.execute(_LEDGER["committed_digests"], params) as cur,
-        ):
-            return [(str(tool), str(digest)) for tool, digest in await cur.fetchall()]
-
-    async def decision_get(
-        self, thread_id: str, checkpoint_ns: str, input_digest: str
-    ) -> str | None:
-        params = decision_params(thread_id, checkpoint_ns, input_digest)
-        async with (
-            self._transaction("decision_get") as conn,
-            conn.execute(_LEDGER["decision_get"], params) as cur,
-        ):
-            row = await cur.fetchone()
-        return None if row is None else str(row[0])
-
-    async def decision_digests(self, thread_id: str, checkpoint_ns: str) -> list[str]:
-        params = {"thread_id": thread_id, "checkpoint_ns": checkpoint_ns}
-        async with (
-            self._transaction("decision_digests") as conn,
-            conn.execute(_LEDGER["decision_digests"], params) as cur,
-        ):
-            return [str(row[0]) for row in await cur.fetchall()]
-
-    async def decision_forget(self, thread_id: str, since: float) -> int:
-        params = {"thread_id": thread_id, "since": since}
-        async with (
-            self._transaction("decision_forget") as conn,
-            conn.execute(_LEDGER["decision_forget"], params) as cur,
-        ):
-            return int(cur.rowcount)
-
     async def put_artifact(self, artifact: PreparedArtifact) -> None:
         async with self._transaction("put_artifact") as conn:
-            async with conn.execute(_ARTIFACTS["exists"], _artifact_key(artifact)) as cur:
+            async with conn.execute(_ARTIFACTS["exists"], artifact_key(artifact)) as cur:
                 found = await cur.fetchone()
             if found is None:
                 await conn.execute(_ARTIFACTS["put"], artifact.params())
-
-    async def get_artifact(self, artifact_id: str) -> bytes | None:
-        async with (
-            self._transaction("get_artifact") as conn,
-            conn.execute(_ARTIFACTS["get"], {"id": artifact_id}) as cur,
-        ):
-            row = await cur.fetchone()
-        return None if row is None else stored_bytes(row[0], artifact_id, where=ARTIFACTS_TABLE)
-
-    async def delete_artifacts(self, thread_id: str) -> None:
-        async with self._transaction("delete_artifacts") as conn:
-            await conn.execute(_ARTIFACTS["delete"], {"thread_id": thread_id})
 
     async def compact_events(self, thread_id: str, policy: CompactionPolicy) -> int:
         async with self._transaction("compact_events") as conn:
             async with conn.execute(sql.SELECT_EVENTS[_D], (thread_id, 0)) as cur:
                 rows = await cur.fetchall()
             plan = policy.plan(rows_to_events(rows))
-            await conn.executemany(sql.COMPACT_EVENT[_D], _compaction_params(plan))
+            await conn.executemany(sql.COMPACT_EVENT[_D], compaction_params(plan))
         return len(plan)
 
 

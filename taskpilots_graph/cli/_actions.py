@@ -112,13 +112,9 @@ def _run(graph: Any, cp: Any, thread: str, call: Callable[[], Any], as_json: boo
     requests = pending_takeovers(cp, thread_ids=[thread])
     last = _last_text(result)
     if as_json:
+        takeover = requests[0] if requests else None  # emit_json makes it JSON
         emit_json(
-            {
-                "thread": info,
-                "last_message": last,
-                "retry_at": retry_at,
-                "takeover": to_jsonable(requests[0]) if requests else None,
-            }
+            {"thread": info, "last_message": last, "retry_at": retry_at, "takeover": takeover}
         )
         return
     out = stdout()
@@ -204,17 +200,15 @@ def decide(
     from taskpilots_graph.takeover import parse_decision
 
     with guarded():
-        fields: dict[str, Any] = {"action": action}
-        parsed_args = parse_json_option("--args", args)
-        if parsed_args is not None:
-            fields["args"] = parsed_args
-        parsed_result = parse_json_option("--result", result)
-        if parsed_result is not None:
-            fields["result"] = parsed_result
-        named = (("tool_call_id", tool_call_id), ("interrupt_id", takeover))
-        for name, value in (*named, ("decided_by", by), ("note", note)):
-            if value is not None:
-                fields[name] = value
+        given = {
+            "args": parse_json_option("--args", args),
+            "result": parse_json_option("--result", result),
+            "tool_call_id": tool_call_id,
+            "interrupt_id": takeover,
+            "decided_by": by,
+            "note": note,
+        }
+        fields = {"action": action, **{k: v for k, v in given.items() if v is not None}}
         decision = parse_decision(fields)  # InvalidDecision before anything is opened
         with graph_on(graph, db) as (compiled, cp):
             answer = partial(decide, compiled, thread, decision)

@@ -200,21 +200,6 @@ def _probe_postgres(url: str) -> None:
         raise StorageError(f"cannot reach database {redact(url)}: {reason}") from exc
 
 
-def _tables(path: str) -> list[str]:
-    """The tables of the SQLite file at ``path``, read without writing anything."""
-    from contextlib import closing
-
-    from taskpilots_graph.errors import StorageError
-
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    try:
-        with closing(sqlite3.connect(uri, uri=True, timeout=5)) as conn:
-            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
-    except sqlite3.DatabaseError as exc:
-        raise StorageError(f"{path!r} is not a usable SQLite database: {exc}") from exc
-    return sorted(str(name) for (name,) in rows)
-
-
 def _check_store(path: str) -> None:
     """Refuse a SQLite file that is some other program's database.
 
@@ -222,9 +207,17 @@ def _check_store(path: str) -> None:
     threads", hiding the mistake. A new, empty file and a plain LangGraph store (a
     ``checkpoints`` table, which the recovery store extends) are accepted.
     """
+    from contextlib import closing
+
     from taskpilots_graph.errors import StorageError
 
-    tables = _tables(path)
+    uri = f"{Path(path).resolve().as_uri()}?mode=ro"  # read without writing anything
+    try:
+        with closing(sqlite3.connect(uri, uri=True, timeout=5)) as conn:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise StorageError(f"{path!r} is not a usable SQLite database: {exc}") from exc
+    tables = sorted(str(name) for (name,) in rows)
     ours = [t for t in tables if t == "checkpoints" or t.startswith("taskpilots_")]
     if tables and not ours:
         shown = ", ".join(tables[:5]) + (f" and {len(tables) - 5} more" if len(tables) > 5 else "")

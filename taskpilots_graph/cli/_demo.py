@@ -173,11 +173,6 @@ def _run(
     return reports
 
 
-def _story(ticket: dict[str, Any], site: str) -> str:
-    """The sentence that points at one killed ticket."""
-    return f"Ticket {ticket['ticket_id']} was killed {site}"
-
-
 def demo(
     tickets: Annotated[
         int, typer.Option("--tickets", min=1, metavar="N", help="Tickets in the batch.")
@@ -276,7 +271,7 @@ def _print_report(
     site = f"{'right after' if phase == 'after' else 'just before'} {service}"
     db = "'<your --postgres URL>'" if postgres else str(workdir / "agent-runs.db")
     out.print(
-        f"\nThe runs are kept in {workdir}. {_story(ticket, site)}; "
+        f"\nThe runs are kept in {workdir}. Ticket {ticket['ticket_id']} was killed {site}; "
         "read how the agent recovered it:",
         markup=False,
         soft_wrap=False,

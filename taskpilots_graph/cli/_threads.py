@@ -165,13 +165,11 @@ def _event_row(event: Any) -> dict[str, Any]:
     import json
 
     payload = json.dumps(dict(event.payload), ensure_ascii=False, default=str, sort_keys=True)
-    if len(payload) > PAYLOAD_CHARS:
-        payload = payload[: PAYLOAD_CHARS - 1] + "…"
     return {
         "seq": event.seq,
         "time": event.ts.strftime("%Y-%m-%d %H:%M:%S"),
         "kind": event.kind.value + (" (superseded)" if event.superseded else ""),
-        "payload": payload,
+        "payload": _fit(payload, PAYLOAD_CHARS),
     }
 
 
@@ -236,9 +234,7 @@ def _print_thread(
         f"{summary.get('events')} events, {summary.get('tool_calls')} tool calls, "
         f"{summary.get('tool_failures')} failures, {summary.get('effects')} effects"
     )
-    out.print(
-        _line(f"thread {summary['thread_id']}: {summary.get('status')} ({counts})"),
-    )
+    out.print(_line(f"thread {summary['thread_id']}: {summary.get('status')} ({counts})"))
     step = summary.get("current_step")
     if isinstance(step, dict):
         text = f"{step.get('tool')} ({step.get('status')}, attempt {step.get('attempts')})"
@@ -396,18 +392,16 @@ def print_metrics(data: dict[str, Any]) -> None:
         say("decisions: " + ", ".join(f"{k}={v}" for k, v in decisions.items()))
     if runs := _section(data, "runs"):
         say("runs: " + ", ".join(f"{k}={v}" for k, v in runs.items()))
-    tools = _section(data, "tools")
-    if tools:
-        tool_rows = []
-        for name, stats in tools.items():
-            failures = stats.get("failures") or {}
-            tool_rows.append(
-                {
-                    "tool": name,
-                    **{k: v for k, v in stats.items() if k != "failures"},
-                    "failures": ", ".join(f"{k}={v}" for k, v in failures.items()) or "0",
-                }
-            )
+    tool_rows = [
+        {
+            "tool": name,
+            **{k: v for k, v in stats.items() if k != "failures"},
+            "failures": ", ".join(f"{k}={v}" for k, v in (stats.get("failures") or {}).items())
+            or "0",
+        }
+        for name, stats in _section(data, "tools").items()
+    ]
+    if tool_rows:
         out.print(_table("per tool", tool_rows, list(tool_rows[0])))
     if totals:
         say("totals: " + ", ".join(f"{k}={v}" for k, v in totals.items()))

@@ -18,7 +18,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -99,32 +99,19 @@ def supervise(
         console.print(report.summary(), markup=False)
 
     with _service(verbose):
+        common: dict[str, Any] = {"db": resolve_db(db), "leases": leases, "once": once}
         if queue:
             from taskpilots_graph.workers import serve_queue_supervisor
 
             serve_queue_supervisor(
-                graph,
-                db=resolve_db(db),
-                leases=leases,
-                interval=interval,
-                once=once,
-                stalled_after=stalled_after,
-                on_report=show,
+                graph, **common, interval=interval, stalled_after=stalled_after, on_report=show
             )
         else:
             stop = threading.Event()
             if threading.current_thread() is threading.main_thread():  # signal's own rule
                 # SIGTERM (a process manager stopping the service) ends the scan loop cleanly.
                 signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            serve_supervisor(
-                graph,
-                db=resolve_db(db),
-                leases=leases,
-                interval=interval,
-                once=once,
-                stop=stop,
-                on_report=show,
-            )
+            serve_supervisor(graph, **common, interval=interval, stop=stop, on_report=show)
 
 
 def worker(

@@ -301,18 +301,20 @@ class Drive:
         assert thread is not None
         attempt = self.log.attempts(name)
         why = FailureAttribution(self.parent, name, thread, "worker_lost")
-        self.attributions.append(why)
-        self.event(
-            EventKind.RUN_RESUMED,
-            subagent=name,
-            thread_id=thread,
-            attempt=attempt,
-            handoff=True,
-            attribution=why.payload(),
-        )
-        self.log.resumes[name] = self.log.resumes.get(name, 0) + 1
         # The same notice (same message id): handed twice, it still appears once.
-        self.submit(pool, name, runner.run, self.attempt_input(name, thread, attempt))
+        input = self.attempt_input(name, thread, attempt)
+        self.resubmit(pool, why, runner.run, input, attempt=attempt, handoff=True)
+
+    def resubmit(
+        self, pool: ThreadPoolExecutor, why: FailureAttribution, fn: Any, *args: Any, **detail: Any
+    ) -> None:
+        """Record a resume of a sub-agent (``run_resumed``, with ``detail``) and submit it."""
+        self.attributions.append(why)
+        name, thread = why.subagent, why.thread_id
+        payload = {**detail, "attribution": why.payload()}
+        self.event(EventKind.RUN_RESUMED, subagent=name, thread_id=thread, **payload)
+        self.log.resumes[name] = self.log.resumes.get(name, 0) + 1
+        self.submit(pool, name, fn, *args)
 
     def attempt_input(self, name: str, thread: str, attempt: int) -> Any:
         """The graph input of an attempt: the sub-agent's own for the first, the re-run
@@ -354,12 +356,7 @@ class Drive:
             step=step.tool_call_id if step else None,
             tool=step.using if step else None,
         )
-        self.attributions.append(why)
-        self.event(
-            EventKind.RUN_RESUMED, subagent=name, thread_id=thread, attribution=why.payload()
-        )
-        self.log.resumes[name] = self.log.resumes.get(name, 0) + 1
-        self.submit(pool, name, _resume, self.inputs[name])
+        self.resubmit(pool, why, _resume, self.inputs[name])
 
     def failed_attribution(self, name: str, thread: str) -> FailureAttribution:
         failure = next(

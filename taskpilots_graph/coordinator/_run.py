@@ -114,12 +114,8 @@ class Coordinator:
             yield
             return
         # Waits out the lease of a coordinator that died (its TTL), refuses a live one.
-        with hold(
-            self.leases,
-            thread_lease_name(parent),
-            ttl=self.lease_ttl,
-            timeout=self.lease_ttl * 1.5,
-        ) as held:
+        name, ttl = thread_lease_name(parent), self.lease_ttl
+        with hold(self.leases, name, ttl=ttl, timeout=ttl * 1.5) as held:
             # The parent thread's own run: undo intents it left are its own (reconciled,
             # not waited for), and a lost lease stops an undo before it starts.
             token = set_thread_hold(held)

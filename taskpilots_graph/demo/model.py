@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
@@ -23,9 +21,8 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.outputs import ChatGeneration, ChatResult
-from langchain_core.runnables import Runnable
-from langchain_core.tools import BaseTool
+
+from taskpilots_graph.testing import _ConversationModel
 
 __all__ = ["MAX_TOOL_ERRORS", "ScriptedTicketModel", "next_action"]
 
@@ -88,26 +85,12 @@ def next_action(messages: Sequence[BaseMessage]) -> AIMessage:
     return AIMessage(f"Ticket {ticket['ticket_id']} closed.")
 
 
-class ScriptedTicketModel(BaseChatModel):
+class ScriptedTicketModel(_ConversationModel):
     """Offline, deterministic-by-conversation stand-in for a tool-calling chat model."""
 
     @property
     def _llm_type(self) -> str:
         return "scripted-ticket-agent"
 
-    def bind_tools(
-        self,
-        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, AIMessage]:
-        # The script knows its tools by name; binding changes nothing.
-        return self
-
-    def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
-        return ChatResult(generations=[ChatGeneration(message=next_action(messages))])
+    def _next(self, messages: list[BaseMessage]) -> AIMessage:
+        return next_action(messages)

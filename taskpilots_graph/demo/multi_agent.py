@@ -38,11 +38,10 @@ from langgraph.graph.state import CompiledStateGraph
 from taskpilots_graph.agent import create_recovery_agent
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.coordinator import Coordinator, create_coordinator
-from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.demo.workflow import _found
 from taskpilots_graph.leases import LeaseBackend
-from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome
 from taskpilots_graph.testing import ScriptedModel
-from taskpilots_graph.tools import current_invocation, side_effect
+from taskpilots_graph.tools import invocation_key, side_effect
 
 __all__ = [
     "SUBAGENTS",
@@ -240,23 +239,12 @@ class CustomerServices:
         return self._perform("send_contract", customer_id, request_key, {})
 
 
-def _key() -> str | None:
-    try:
-        return current_invocation().key
-    except ConfigurationError:
-        return None
-
-
-def _found(record: dict[str, Any] | None) -> PrecheckOutcome:
-    return Done(record["id"], proof=record) if record is not None else NotDone()
-
-
 def customer_tools(services: CustomerServices) -> dict[str, BaseTool]:
     """The tools of the three sub-agents, each effect declared with what makes it safe."""
 
     def crm_sync(customer_id: str, tier: str) -> str:
         """Write the customer's tier into the CRM."""
-        return services.crm_sync(customer_id, tier, _key())
+        return services.crm_sync(customer_id, tier, invocation_key())
 
     def read_customer(customer_id: str) -> str:
         """Read the customer's CRM record."""
@@ -264,15 +252,15 @@ def customer_tools(services: CustomerServices) -> dict[str, BaseTool]:
 
     def open_ticket(customer_id: str, subject: str) -> str:
         """Open a help-desk ticket for the customer."""
-        return services.open_ticket(customer_id, subject, _key())
+        return services.open_ticket(customer_id, subject, invocation_key())
 
     def notify(customer_id: str, message: str) -> str:
         """Email the customer."""
-        return services.notify(customer_id, message, _key())
+        return services.notify(customer_id, message, invocation_key())
 
     def send_contract(customer_id: str) -> str:
         """Send the customer their contract."""
-        return services.send_contract(customer_id, _key())
+        return services.send_contract(customer_id, invocation_key())
 
     def tool(fn: Any) -> BaseTool:
         return StructuredTool.from_function(fn)
@@ -286,7 +274,8 @@ def customer_tools(services: CustomerServices) -> dict[str, BaseTool]:
         ),
         "read_customer": tool(read_customer),
         "open_ticket": side_effect(
-            tool(open_ticket), precheck=lambda key, _a: _found(services.find("open_ticket", key))
+            tool(open_ticket),
+            precheck=lambda key, _a: _found(services.find("open_ticket", key)),
         ),
         "notify": side_effect(tool(notify), idempotent=True),
         # One contract per customer, whichever sub-agent gets there first: a business key

@@ -16,26 +16,18 @@ from taskpilots_graph.agent import create_recovery_agent
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.density import Density
 from taskpilots_graph.demo.services import Services
-from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.ledger import Done, NotDone, PrecheckOutcome
-from taskpilots_graph.tools import current_invocation, side_effect
+from taskpilots_graph.tools import invocation_key, side_effect
 
 __all__ = ["build_plain_graph", "build_recovery_agent", "build_tools", "plain_react_graph"]
 
 PROMPT = "You handle support tickets: look up the customer, tag, open a ticket, reply, refund."
 
 
-def _request_key() -> str | None:
-    # Under the recovery executor every side effect has an invocation key, which the
-    # services take as their idempotency / search key. Plain LangGraph has none.
-    try:
-        return current_invocation().key
-    except ConfigurationError:
-        return None
-
-
 def build_tools(services: Services) -> dict[str, BaseTool]:
     """The six tools of the workflow, undecorated (plain LangGraph uses them as they are)."""
+    # Under the recovery executor every side effect has an invocation key, which the
+    # services take as their idempotency / search key. Plain LangGraph has none.
 
     def crm_lookup(customer_id: str) -> dict[str, str]:
         """Look up a customer in the CRM."""
@@ -43,23 +35,23 @@ def build_tools(services: Services) -> dict[str, BaseTool]:
 
     def crm_tag(customer_id: str, tag: str) -> str:
         """Tag a customer record in the CRM."""
-        return services.crm_tag(customer_id, tag, _request_key())
+        return services.crm_tag(customer_id, tag, invocation_key())
 
     def create_ticket(customer_id: str, order_id: str, subject: str) -> str:
         """Open a help-desk ticket for an order."""
-        return services.create_ticket(f"{order_id}:ticket", subject, _request_key())
+        return services.create_ticket(f"{order_id}:ticket", subject, invocation_key())
 
     def send_email(to: str, order_id: str, subject: str) -> str:
         """Email the customer about their order."""
-        return services.send_email(f"{order_id}:email", to, subject, _request_key())
+        return services.send_email(f"{order_id}:email", to, subject, invocation_key())
 
     def request_approval(order_id: str, amount: float) -> str:
         """Ask a manager to approve a refund."""
-        return services.request_approval(f"{order_id}:approval", amount, _request_key())
+        return services.request_approval(f"{order_id}:approval", amount, invocation_key())
 
     def issue_refund(order_id: str, amount: float) -> str:
         """Refund an order through the payment provider."""
-        return services.issue_refund(f"{order_id}:refund", amount, _request_key())
+        return services.issue_refund(f"{order_id}:refund", amount, invocation_key())
 
     fns: list[Callable[..., Any]] = [
         crm_lookup,
@@ -73,6 +65,7 @@ def build_tools(services: Services) -> dict[str, BaseTool]:
 
 
 def _found(record: dict[str, Any] | None) -> PrecheckOutcome:
+    """A pre-check's answer from the effect a service found (``None``: none)."""
     return Done(record["id"], proof=record) if record is not None else NotDone()
 
 

@@ -49,15 +49,12 @@ def await_owner(
     entry = request.entry
     runner = runner_of(entry)
     name = thread_lease_name(runner)
-    if held_here(runner) is not None:
-        return Awaited(entry)  # our own thread's intent: its writer crashed, we hold it now
-    owner = _live(backend.holder(name))
-    if owner is None:
+    # Our own thread's intent (its writer crashed, we hold the lease now), or an orphan.
+    if held_here(runner) is not None or (owner := _live(backend.holder(name))) is None:
         return Awaited(entry)
     start = time.monotonic()
     deadline = start + timeout
     attempt = 0
-    found: LedgerEntry | None = entry
     while True:
         time.sleep(poll_delay(attempt, max(0.0, deadline - time.monotonic())))
         attempt += 1
@@ -80,15 +77,11 @@ async def aawait_owner(
     entry = request.entry
     runner = runner_of(entry)
     name = thread_lease_name(runner)
-    if held_here(runner) is not None:
-        return Awaited(entry)
-    owner = _live(await backend.aholder(name))
-    if owner is None:
+    if held_here(runner) is not None or (owner := _live(await backend.aholder(name))) is None:
         return Awaited(entry)
     start = time.monotonic()
     deadline = start + timeout
     attempt = 0
-    found: LedgerEntry | None = entry
     while True:
         await asyncio.sleep(poll_delay(attempt, max(0.0, deadline - time.monotonic())))
         attempt += 1

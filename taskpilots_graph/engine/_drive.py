@@ -13,7 +13,7 @@ import contextlib
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from langgraph.config import get_config
 
@@ -137,8 +137,7 @@ class Driver(_Carrier):
                 try:
                     request = gen.throw(thrown) if thrown is not None else gen.send(value)
                 except StopIteration as stop:
-                    result: T = stop.value
-                    return result
+                    return cast(T, stop.value)
                 value, thrown = None, None
                 request = self._guarded(request, locks)
                 try:
@@ -203,8 +202,7 @@ class AsyncDriver(_Carrier):
                 try:
                     request = gen.throw(thrown) if thrown is not None else gen.send(value)
                 except StopIteration as stop:
-                    result: T = stop.value
-                    return result
+                    return cast(T, stop.value)
                 value, thrown = None, None
                 request = self._guarded(request, locks)
                 try:

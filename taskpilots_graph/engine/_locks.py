@@ -64,8 +64,7 @@ class CallLocks:
         self, entry: LedgerEntry, backend: Callable[[], LeaseBackend], stack: contextlib.ExitStack
     ) -> LedgerEntry:
         """Take the entry's business lock before its first intent (raises if it cannot)."""
-        target = self._target(entry)
-        if target is not None:
+        if (target := self._target(entry)) is not None:
             held = stack.enter_context(
                 business_lock(backend(), *target, ttl=self.ttl, timeout=self.ttl)
             )
@@ -79,8 +78,7 @@ class CallLocks:
         stack: contextlib.AsyncExitStack,
     ) -> LedgerEntry:
         """Async form of :meth:`before_write`."""
-        target = self._target(entry)
-        if target is not None:
+        if (target := self._target(entry)) is not None:
             held = await stack.enter_async_context(
                 abusiness_lock(await backend(), *target, ttl=self.ttl, timeout=self.ttl)
             )
@@ -93,8 +91,7 @@ class CallLocks:
         return replace(entry, extra={**entry.extra, "fencing": self.fencing})
 
     def _check_thread(self) -> None:
-        held = held_here(self.thread_id)  # LeaseLost if the run's lease was lost
-        if held is not None:
+        if (held := held_here(self.thread_id)) is not None:  # LeaseLost if the run's lease was lost
             held.check()
 
     def before_call(self, invocation: Invocation) -> Invocation:

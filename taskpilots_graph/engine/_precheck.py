@@ -59,8 +59,7 @@ async def _await_worker(fn: Callable[..., Any], *args: Any) -> Any:
         def settle() -> None:
             if waiter.done():
                 return  # timed out meanwhile: the late answer is dropped
-            error = done.exception()
-            if error is not None:
+            if (error := done.exception()) is not None:
                 waiter.set_exception(error)
             else:
                 waiter.set_result(done.result())
@@ -84,10 +83,9 @@ def call_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
     and its late answer is dropped. ``precheck_timeout=None`` runs it inline, unbounded.
     """
     spec = ctx.spec
-    precheck = spec.precheck if spec is not None else None
     assert spec is not None, "only side effects have a pre-check"
-    assert precheck is not None, "the protocol asks only tools that have a pre-check"
-    limit = spec.precheck_timeout
+    assert spec.precheck is not None, "the protocol asks only tools that have a pre-check"
+    precheck, limit = spec.precheck, spec.precheck_timeout
     try:
         if limit is None:
             return precheck(request.key, request.args)
@@ -119,10 +117,9 @@ async def acall_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
     hung one blocks neither the event loop nor the run.
     """
     spec = ctx.spec
-    precheck = spec.precheck if spec is not None else None
     assert spec is not None, "only side effects have a pre-check"
-    assert precheck is not None, "the protocol asks only tools that have a pre-check"
-    limit = spec.precheck_timeout
+    assert spec.precheck is not None, "the protocol asks only tools that have a pre-check"
+    precheck, limit = spec.precheck, spec.precheck_timeout
     loop = asyncio.get_running_loop()
     deadline = None if limit is None else loop.time() + limit
     try:
@@ -134,9 +131,8 @@ async def acall_precheck(ctx: CallContext, request: RunPrecheck) -> Any:
             )
         if not inspect.isawaitable(answer):
             return answer
-        if deadline is None:
-            return await answer
-        return await asyncio.wait_for(answer, max(0.0, deadline - loop.time()))
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        return await asyncio.wait_for(answer, left)
     except TimeoutError as exc:
         if deadline is not None and loop.time() >= deadline:
             return _timed_out(limit or 0.0)

@@ -9,6 +9,7 @@ step by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import socket
@@ -292,11 +293,8 @@ def recordable(result: Any) -> tuple[Any, bool]:
     encoding fits: the effect happened and must be committed whatever the tool returned. A
     value that has no text either (cyclic, ``str()`` raises) is kept as its placeholder.
     """
-    try:
+    with contextlib.suppress(ConfigurationError):
         dump_json(result, what="result")
-    except ConfigurationError:
-        pass
-    else:
         return result, False
     text = stand_in(result)
     if not isinstance(text, str):
@@ -330,11 +328,9 @@ def _result_extra(extra: Mapping[str, Any], recorded: Any, reduced: bool) -> Map
 
 def _brief(value: Any) -> Any:
     """``value`` itself when its JSON fits an event summary, else its truncated text."""
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         if len(dump_json_unchecked(value)) <= SUMMARY_CHARS:
             return value
-    except (TypeError, ValueError):
-        pass
     return _truncate(str(value))
 
 
@@ -343,10 +339,6 @@ def _event(ctx: CallContext, kind: EventKind, **payload: Any) -> EventRecord:
     return prepare_event(
         ctx.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=ctx.checkpoint_ns
     )
-
-
-def _error_info(failure: Failure, maybe_sent: bool) -> dict[str, Any]:
-    return {"type": failure.error_type, "message": failure.message, "maybe_sent": maybe_sent}
 
 
 def _failed_event(
@@ -384,29 +376,55 @@ def run_call(ctx: CallContext) -> Protocol:
         )
         if earlier is not None:
             return (yield from _repeat(ctx, earlier))
-    # Most calls are new: write the intent straight away; only when an entry already holds
-    # the key is it read and reconciled. Saves a read on every fresh side effect.
-    fresh = yield from _execute(ctx, None)
-    if fresh is not _EXISTS:
-        return fresh
-    entry: LedgerEntry | None = yield ReadEntry(ctx.key)
+    entry: LedgerEntry | None
+    if not writes_intent(ctx):
+        entry = yield ReadEntry(ctx.key)
+        if entry is None:
+            return (yield from _execute(ctx, None))
+    else:
+        # Most calls are new: write the intent straight away; only when an entry already
+        # holds the key is it read and reconciled. Saves a read on every fresh side effect.
+        fresh = yield from _execute(ctx, None)
+        if fresh is not _EXISTS:
+            return fresh
+        entry = yield ReadEntry(ctx.key)
     if in_flight(entry):
         # A live intent is never reconciled: its owner may be performing it right now.
         entry = yield from _await_owner(ctx, entry)
     step = next_step(entry)
-    if step is Step.RETURN_RECORDED:
-        assert entry is not None
+    if entry is not None and step is Step.RETURN_RECORDED:
         yield WriteEvent(_event(ctx, EventKind.TOOL_SKIPPED, reason=f"already {entry.status}"))
         return CallOutcome(result=entry.result, replayed=True)
-    if step is Step.ESCALATE:
-        assert entry is not None
+    if entry is not None and step is Step.ESCALATE:
         raise _uncertain(ctx, "it was marked uncertain earlier and awaits a person")
-    if step is Step.PRECHECK:
-        assert entry is not None
+    if entry is not None and step is Step.PRECHECK:
         settled = yield from _reconcile(ctx, entry, "the previous attempt did not record a result")
         if settled is not None:
             return settled
     return (yield from _execute(ctx, entry))
+
+
+def writes_intent(ctx: CallContext) -> bool:
+    """Whether a new call of ``ctx`` writes its intent before the tool runs.
+
+    Not for an idempotent tool under its default key and without a business lock, whose
+    step's checkpoint is on disk before it runs (``ctx.step_durable``). That checkpoint
+    already names the call (its tool-call id, hence its key), and the service answers a
+    repeated key with the first outcome: a call lost between the tool and its commit is
+    settled by running it again under the same key, and "may have started" buys nothing the
+    ledger read before the call does not. Its first write is then the commit, with the
+    call's events: one durable write per effect instead of two.
+
+    Kept otherwise: a checkpoint that may not be durable leaves the model's decision (and
+    so the key) to the intent's transaction; a ``key=`` may be shared by other threads,
+    whose runs must find the call on record and wait for it, as must a business lock's
+    next holder; and a non-idempotent effect must be told "never started" from "may have
+    started".
+    """
+    spec = ctx.spec
+    if spec is None or not spec.idempotent or not ctx.step_durable:
+        return True
+    return spec.key is not None or spec.lock is not None
 
 
 def _check_args(ctx: CallContext) -> Generator[Request, Any, CallOutcome | None]:
@@ -718,8 +736,14 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         )
         expect = (entry.status, entry.attempt)
     invoked = _event(ctx, EventKind.TOOL_INVOKED, args=dict(ctx.args), attempt=attempt)
+    # ``written``: what the entry's next write expects to find (None: nothing on record).
+    written: tuple[LedgerStatus, int] | None = (LedgerStatus.INTENDED, attempt)
     try:
-        yield WriteEntry(intended, expect, invoked)
+        if entry is None and not writes_intent(ctx):
+            written = None
+            yield WriteEvent(invoked)  # rides with the commit
+        else:
+            yield WriteEntry(intended, expect, invoked)
     except LedgerConflict:
         if expect is not None:
             raise  # another run moved an entry we had read: stop, never execute twice
@@ -739,12 +763,10 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         # interrupt is answered, so that re-run is the same call continuing, not a crash
         # to reconcile: mark the entry, keep it intended, and let the interrupt through.
         paused = replace(intended, extra={**intended.extra, PAUSED: True}, updated_at=_now())
-        yield WriteEntry(
-            paused, (LedgerStatus.INTENDED, attempt), _event(ctx, EventKind.TOOL_PAUSED)
-        )
+        yield WriteEntry(paused, written, _event(ctx, EventKind.TOOL_PAUSED))
         raise
     except Exception as exc:
-        return (yield from _failed(ctx, intended, exc))
+        return (yield from _failed(ctx, intended, written, exc))
     # Whatever came back, the effect happened: a value nothing can encode is committed as
     # its placeholder (flagged), never left ``intended`` by a failing encoder.
     result = stand_in(result)
@@ -764,21 +786,26 @@ def _execute(ctx: CallContext, entry: LedgerEntry | None) -> Protocol:
         # holder (another thread, maybe another process) must find the effect committed.
         settles = ctx.spec is not None and (ctx.spec.idempotent or ctx.spec.precheck is not None)
         settles = settles and not committed.lock
-        yield WriteEntry(committed, (LedgerStatus.INTENDED, attempt), succeeded, may_ride=settles)
+        yield WriteEntry(committed, written, succeeded, may_ride=settles)
     except LedgerConflict as exc:
         # Our call did run: say so, the entry's other writer must not be told otherwise.
         raise LedgerConflict(ctx.key, performed=True) from exc
     return (yield from _compared(ctx, result, recorded))
 
 
-def _failed(ctx: CallContext, intended: LedgerEntry, exc: Exception) -> Protocol:
+def _failed(
+    ctx: CallContext,
+    intended: LedgerEntry,
+    written: tuple[LedgerStatus, int] | None,
+    exc: Exception,
+) -> Protocol:
     assert ctx.spec is not None
     maybe_sent = may_have_reached_service(exc, ctx.spec.not_sent)
     failure = classify(exc, ctx.rules)
-    info = _error_info(failure, maybe_sent)
+    info = {"type": failure.error_type, "message": failure.message, "maybe_sent": maybe_sent}
     failed = replace(intended, status=LedgerStatus.FAILED, error=info, updated_at=_now())
     event = _failed_event(ctx, failure, maybe_sent, intended.attempt)
-    yield WriteEntry(failed, (LedgerStatus.INTENDED, intended.attempt), event)
+    yield WriteEntry(failed, written, event)
     if maybe_sent:
         settled = yield from _reconcile(
             ctx, failed, f"the call failed with {type(exc).__name__} after it may have been sent"

@@ -59,12 +59,8 @@ def run_finished(
 ) -> EventRecord:
     """``agent_finished``: ``status`` ``"closed"`` with the model's ``answer``, or
     ``"failed"`` / ``"closed"`` with the ``reason`` the run stopped for."""
-    payload: dict[str, Any] = {"status": status}
-    if answer is not None:
-        payload["answer"] = answer
-    if reason is not None:
-        payload["reason"] = reason
-    return _event(thread_id, checkpoint_ns, EventKind.AGENT_FINISHED, **payload)
+    extra = {k: v for k, v in (("answer", answer), ("reason", reason)) if v is not None}
+    return _event(thread_id, checkpoint_ns, EventKind.AGENT_FINISHED, status=status, **extra)
 
 
 def resume_context(

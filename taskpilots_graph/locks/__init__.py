@@ -25,6 +25,7 @@ required unless used.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from taskpilots_graph.checkpointers.base import parse_conn_string, sqlite_path
@@ -77,18 +78,13 @@ __all__ = [
 ]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_LAZY = {"RedisLeaseBackend": "redis", "PostgresLeaseBackend": "postgres"}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing the locks package must not require redis or psycopg.
-    if name == "RedisLeaseBackend":
-        from taskpilots_graph.locks.redis import RedisLeaseBackend
-
-        return RedisLeaseBackend
-    if name == "PostgresLeaseBackend":
-        from taskpilots_graph.locks.postgres import PostgresLeaseBackend
-
-        return PostgresLeaseBackend
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

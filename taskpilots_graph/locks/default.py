@@ -93,21 +93,13 @@ def _postgres_backend(store: Any) -> LeaseBackend | None:
     return None
 
 
-def _unknown(store: object) -> ConfigurationError:
-    return ConfigurationError(
-        f"no default lease backend is known for the recovery store {type(store).__name__}; "
-        "pass one explicitly (create_recovery_agent(leases=lease_backend_from_url(url)))"
-    )
-
-
 def default_lease_backend(store: object) -> LeaseBackend:
     """The lease backend in ``store``'s own database (found once, then reused).
 
     Raises:
         ConfigurationError: For a store of unknown kind (a custom ``store=``).
     """
-    found = cached_lease_backend(store)
-    if found is not None:
+    if (found := cached_lease_backend(store)) is not None:
         return found
     backend: LeaseBackend | None
     if isinstance(store, MemoryStore | AsyncMemoryStore):
@@ -125,14 +117,16 @@ def default_lease_backend(store: object) -> LeaseBackend:
     else:
         backend = _postgres_backend(store)
     if backend is None:
-        raise _unknown(store)
+        raise ConfigurationError(
+            f"no default lease backend is known for the recovery store {type(store).__name__}; "
+            "pass one explicitly (create_recovery_agent(leases=lease_backend_from_url(url)))"
+        )
     return _keep(store, backend)
 
 
 async def adefault_lease_backend(store: object) -> LeaseBackend:
     """Async form of :func:`default_lease_backend` (the async SQLite store needs it)."""
-    found = cached_lease_backend(store)
-    if found is not None:
+    if (found := cached_lease_backend(store)) is not None:
         return found
     if isinstance(store, AsyncSqliteStore):
         async with store.lock, store.conn.execute(_DATABASE_LIST) as cur:

@@ -108,12 +108,11 @@ class _Holding:
     def check(self) -> None:
         """Raise :class:`LeaseLost` unless the lease is still ours; call before each effect."""
         status = self._status
-        reason = status.lost_at(time.monotonic())
-        if reason is not None:
+        if (reason := status.lost_at(time.monotonic())) is not None:
             raise LeaseLost(status.lease.name, reason, fencing=status.lease.fencing)
 
-    def _after_renewal(self, sent_at: float, result: Lease | BaseException) -> bool:
-        """Fold one renewal outcome into the status; whether to keep beating."""
+    def _after_renewal(self, sent_at: float, result: Lease | BaseException) -> float | None:
+        """Fold one renewal outcome into the status; seconds to the next, ``None``: stop."""
         status = self._status
         if isinstance(result, Lease):
             self._status = status.renewed(result, sent_at, time.monotonic())
@@ -127,7 +126,9 @@ class _Holding:
                 "renewing lease %r failed: %s", status.lease.name, result, exc_info=not expected
             )
             self._status = status.unreachable()
-        return self._status.lost_at(time.monotonic()) is None
+        if self._status.lost_at(time.monotonic()) is not None:
+            return None
+        return self._status.next_beat(self.interval)
 
     def _release_failed(self, exc: LockBackendUnavailable) -> None:
         # Never raised: the block's own outcome matters more, and the TTL frees the name.
@@ -211,10 +212,6 @@ class Hold(_Holding):
         # Orders the start of the heartbeat thread against the end of the hold.
         self._start_lock = threading.Lock()
 
-    def _schedule(self) -> None:
-        """Start beating once the first renewal is due (see :class:`_FirstBeats`)."""
-        _first_beats.add(self, time.monotonic() + self.interval)
-
     def _start_beating(self) -> None:
         with self._start_lock:
             if self.released or self._thread is not None:
@@ -225,7 +222,7 @@ class Hold(_Holding):
             self._thread.start()
 
     def _beat(self) -> None:
-        delay = 0.0  # started when the first renewal is due
+        delay: float | None = 0.0  # started when the first renewal is due
         while not self._stop.wait(delay):
             sent_at = time.monotonic()
             result: Lease | BaseException
@@ -233,9 +230,8 @@ class Hold(_Holding):
                 result = self.backend.renew(self._status.lease)
             except Exception as exc:
                 result = exc
-            if not self._after_renewal(sent_at, result):
+            if (delay := self._after_renewal(sent_at, result)) is None:
                 return
-            delay = self._status.next_beat(self.interval)
 
     def _finish(self) -> None:
         with self._start_lock:
@@ -261,7 +257,7 @@ class AsyncHold(_Holding):
         self._task: asyncio.Task[None] | None = None
 
     async def _beat(self) -> None:
-        delay = self.interval
+        delay: float | None = self.interval
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay)
@@ -273,9 +269,8 @@ class AsyncHold(_Holding):
                 result = await self.backend.arenew(self._status.lease)
             except Exception as exc:
                 result = exc
-            if not self._after_renewal(sent_at, result):
+            if (delay := self._after_renewal(sent_at, result)) is None:
                 return
-            delay = self._status.next_beat(self.interval)
 
     async def _finish(self) -> None:
         self.released = True
@@ -317,8 +312,7 @@ def _acquire(
     attempt = 0
     while True:
         sent_at = time.monotonic()
-        lease = backend.acquire(name, owner, ttl)
-        if lease is not None:
+        if (lease := backend.acquire(name, owner, ttl)) is not None:
             return HoldStatus.granted(lease, sent_at)
         current = backend.holder(name)
         if current is not None and holder_died(current.owner) and backend.release(current):
@@ -338,8 +332,7 @@ async def _aacquire(
     attempt = 0
     while True:
         sent_at = time.monotonic()
-        lease = await backend.aacquire(name, owner, ttl)
-        if lease is not None:
+        if (lease := await backend.aacquire(name, owner, ttl)) is not None:
             return HoldStatus.granted(lease, sent_at)
         current = await backend.aholder(name)
         if current is not None and holder_died(current.owner) and await backend.arelease(current):
@@ -387,7 +380,7 @@ def hold(
     interval = _interval(ttl, heartbeat)
     status = _acquire(backend, name, owner or new_owner(), ttl, wait, timeout)
     held = Hold(backend, status, interval)
-    held._schedule()
+    _first_beats.add(held, time.monotonic() + interval)  # beats once the first renewal is due
     try:
         yield held
     finally:

@@ -159,17 +159,11 @@ class PostgresLeaseBackend(LeaseBackendBase):
         self._init_lock = threading.Lock()
         self._ainit_lock = asyncio.Lock()
 
-    def _kwargs(self) -> dict[str, Any]:
+    def _pool_args(self) -> dict[str, Any]:
+        """The arguments of a pool opened from ``url``."""
         # libpq's connect_timeout counts whole seconds, at least 2.
-        return {**CONNECTION_KWARGS, "connect_timeout": max(2, math.ceil(self.timeout))}
-
-    def _require_url(self) -> str:
-        if self.url is None:
-            raise ConfigurationError(
-                "this PostgresLeaseBackend was given only a sync or only an async pool; "
-                "pass url= (or the other pool) to use the other side"
-            )
-        return self.url
+        kwargs = {**CONNECTION_KWARGS, "connect_timeout": max(2, math.ceil(self.timeout))}
+        return {"min_size": 1, "max_size": self.max_size, "kwargs": kwargs, "timeout": self.timeout}
 
     # -- sync ----------------------------------------------------------------------------------
 
@@ -177,12 +171,7 @@ class PostgresLeaseBackend(LeaseBackendBase):
         with self._init_lock:
             if self._pool is None:
                 pool: ConnectionPool[Any] = ConnectionPool(
-                    self._require_url(),
-                    min_size=1,
-                    max_size=self.max_size,
-                    kwargs=self._kwargs(),
-                    timeout=self.timeout,
-                    open=False,
+                    self._require_url("pool"), open=False, **self._pool_args()
                 )
                 # wait=False: an unreachable server must surface as a per-call timeout
                 # (LockBackendUnavailable), and the pool keeps reconnecting in between.
@@ -229,12 +218,7 @@ class PostgresLeaseBackend(LeaseBackendBase):
         async with self._ainit_lock:
             if self._apool is None:
                 apool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-                    self._require_url(),
-                    min_size=1,
-                    max_size=self.max_size,
-                    kwargs=self._kwargs(),
-                    timeout=self.timeout,
-                    open=False,
+                    self._require_url("pool"), open=False, **self._pool_args()
                 )
                 await apool.open(wait=False)
                 self._apool, self._own_apool = apool, True

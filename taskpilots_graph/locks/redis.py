@@ -182,17 +182,17 @@ class RedisLeaseBackend(LeaseBackendBase):
     def _keys(self, name: str) -> tuple[str, str]:
         return f"{self.prefix}lease:{{{name}}}", f"{self.prefix}fence:{{{name}}}"
 
-    def _options(self) -> dict[str, Any]:
-        return {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout}
+    def _options(self, retry: Any) -> dict[str, Any]:
+        """Client arguments: the timeouts, and two quick retries of a dropped connection."""
+        timeouts = {"socket_timeout": self.timeout, "socket_connect_timeout": self.timeout}
+        return {**timeouts, "retry": retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 2)}
 
     def _sync(self) -> _Scripts:
         with self._init_lock:
             if self._scripts is None:
                 if self._client is None:
                     self._client = redis.Redis.from_url(
-                        self._require_url(),
-                        retry=Retry(ExponentialWithJitterBackoff(cap=0.1, base=0.01), 2),
-                        **self._options(),
+                        self._require_url("client"), **self._options(Retry)
                     )
                     self._own_client = True
                 self._scripts = _Scripts(self._client)
@@ -203,23 +203,11 @@ class RedisLeaseBackend(LeaseBackendBase):
         if self._ascripts is None:
             if self._aclient is None:
                 self._aclient = redis.asyncio.Redis.from_url(
-                    self._require_url(),
-                    retry=redis.asyncio.retry.Retry(
-                        ExponentialWithJitterBackoff(cap=0.1, base=0.01), 2
-                    ),
-                    **self._options(),
+                    self._require_url("client"), **self._options(redis.asyncio.retry.Retry)
                 )
                 self._own_aclient = True
             self._ascripts = _Scripts(self._aclient)
         return self._ascripts
-
-    def _require_url(self) -> str:
-        if self.url is None:
-            raise ConfigurationError(
-                "this RedisLeaseBackend was given only a sync or only an async client; "
-                "pass url= (or the other client) to use the other side"
-            )
-        return self.url
 
     # -- decoding (shared by both sides) -------------------------------------------------------
 

@@ -154,6 +154,7 @@ class _Call:
             spec=spec_of(tool) if tool is not None else None,
             policy=policy,
             attempt=self.attempts + 1,
+            step_durable=self.ctx.durability == "sync",
         )
 
     def tool_request(self) -> ToolCallRequest:

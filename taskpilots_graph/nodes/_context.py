@@ -13,6 +13,7 @@ from langchain_core.runnables import RunnableConfig
 
 from taskpilots_graph._compat import task_durability
 from taskpilots_graph.errors import ConfigurationError
+from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 
 __all__ = ["RunContext", "dump_message", "load_message", "messages_digest", "run_context"]
 
@@ -33,6 +34,12 @@ class RunContext:
     graph_ns: str
     durability: str
     checkpoint_id: str | None = None
+
+    def event(self, kind: EventKind, **payload: Any) -> EventRecord:
+        """An event of this run, in its graph's namespace."""
+        return prepare_event(
+            self.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=self.graph_ns
+        )
 
 
 def run_context(config: RunnableConfig) -> RunContext:

@@ -212,22 +212,6 @@ def _undo_spec(spec: SideEffectSpec, effect: LedgerEntry) -> SideEffectSpec:
     )
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _event(ctx: UndoContext, kind: EventKind, **payload: Any) -> EventRecord:
-    body = {
-        "tool": undo_tool(ctx.effect.tool),
-        "key": undo_key(ctx.effect.key),
-        UNDO_OF: ctx.effect.key,
-        **payload,
-    }
-    return prepare_event(
-        ctx.thread_id, kind, body, checkpoint_id=None, checkpoint_ns=ctx.checkpoint_ns
-    )
-
-
 def _decisions(entry: LedgerEntry, task: str) -> int:
     applied = entry.extra.get(UNDO_DECISIONS)
     return int(applied.get(task, 0)) if isinstance(applied, Mapping) else 0
@@ -271,8 +255,9 @@ def undo_effect(ctx: UndoContext) -> Generator[Any, Any, UndoOutcome]:
         except SideEffectUncertain as exc:
             undo = yield ReadEntry(call.key)
             assert undo is not None, "an uncertain undo has its entry"
-            decision = yield from _ask(ctx, undo, exc.reason)
-            undo = yield from _apply(ctx, undo, decision)
+            moved, event = apply_decision(ctx, undo, (yield from _ask(ctx, undo, exc.reason)))
+            yield WriteEntry(moved, (undo.status, undo.attempt), event)
+            undo = moved
             continue
         if outcome.error is not None:
             raise outcome.error
@@ -327,11 +312,18 @@ def _ask(ctx: UndoContext, undo: LedgerEntry, reason: str) -> Generator[Any, Any
         effect_key=effect.key,
         effect_tool=effect.tool,
     )
-    event = _event(
-        ctx,
+    event = prepare_event(
+        ctx.thread_id,
         EventKind.TAKEOVER_REQUESTED,
-        reason=f"the undo of {effect.tool} may or may not have happened: {reason}",
-        failure_kind="side_effect_uncertain",
+        {
+            "tool": undo_tool(effect.tool),
+            "key": undo_key(effect.key),
+            UNDO_OF: effect.key,
+            "reason": f"the undo of {effect.tool} may or may not have happened: {reason}",
+            "failure_kind": "side_effect_uncertain",
+        },
+        checkpoint_id=None,
+        checkpoint_ns=ctx.checkpoint_ns,
     )
     answer = yield AskPerson(error, _request(ctx, undo, reason), event)
     return parse_decision(answer)
@@ -351,7 +343,7 @@ def apply_decision(
             f"{', '.join(UNDO_ACTIONS)}"
         )
     who = decided_by(decision)
-    now = _now()
+    now = datetime.now(UTC)
     extra = dict(undo.extra)
     if ctx.task is not None:
         extra[UNDO_DECISIONS] = {
@@ -375,14 +367,6 @@ def apply_decision(
     return moved, event
 
 
-def _apply(
-    ctx: UndoContext, undo: LedgerEntry, decision: Decision
-) -> Generator[Any, Any, LedgerEntry]:
-    moved, event = apply_decision(ctx, undo, decision)
-    yield WriteEntry(moved, (undo.status, undo.attempt), event)
-    return moved
-
-
 def _mark_compensated(ctx: UndoContext) -> Generator[Any, Any, bool]:
     """Mark the effect ``compensated`` once its undo is committed (idempotent: a re-run
     after a crash here finds the undo committed and writes only this). False: another run
@@ -392,7 +376,7 @@ def _mark_compensated(ctx: UndoContext) -> Generator[Any, Any, bool]:
     after = replace(
         effect,
         status=LedgerStatus.COMPENSATED,
-        updated_at=_now(),
+        updated_at=datetime.now(UTC),
         extra={**effect.extra, "undo_key": key},
     )
     payload: dict[str, Any] = {"tool": effect.tool, "key": effect.key, "undo_key": key}
@@ -446,18 +430,16 @@ def plan_thread(
         if e.status is LedgerStatus.COMMITTED and not is_undo(e)
     ]
     for entry in reversed(entries):
-        settled = entry.status in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED)
-        if not settled or is_undo(entry):
+        if entry.status not in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED) or is_undo(entry):
             continue
         tool = tools.get(entry.tool)
         spec = spec_of(tool) if tool is not None else None
-        if spec is None or spec.compensate is None:
-            if entry.status is LedgerStatus.COMMITTED:
-                missing.append(entry.key)
-        else:
+        if spec is not None and spec.compensate is not None:
             # Compensated ones too: a re-run of the task replays the answers their undos
             # got, so that later questions meet their own answers (see _undo).
             todo.append((entry, spec))
+        elif entry.status is LedgerStatus.COMMITTED:
+            missing.append(entry.key)
     return todo, missing, committed
 
 
@@ -490,11 +472,5 @@ def decision_write(
             f"the undo of {effect_key!r} waits on nobody ({state}); only an uncertain undo "
             "takes a decision"
         )
-    ctx = UndoContext(
-        effect=effect,
-        spec=SideEffectSpec(),
-        thread_id=undo.thread_id,
-        checkpoint_ns=checkpoint_ns,
-    )
-    moved, event = apply_decision(ctx, undo, parsed)
-    return undo, moved, event
+    ctx = UndoContext(effect, SideEffectSpec(), undo.thread_id, checkpoint_ns)
+    return undo, *apply_decision(ctx, undo, parsed)

@@ -33,7 +33,6 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import HumanMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
@@ -61,6 +60,7 @@ from taskpilots_graph.nodes._undo import (
     undo_key,
 )
 from taskpilots_graph.nodes.executor import RecoveryExecutor
+from taskpilots_graph.nodes.takeover import ABANDONED, run_goal
 from taskpilots_graph.takeover import Decision
 
 __all__ = [
@@ -76,25 +76,6 @@ __all__ = [
     "decide_compensation",
 ]
 
-ABANDONED = "abandoned by a person"
-"""The flow reason of a run a person abandoned: compensated, then closed (not failed)."""
-
-_GOAL_CHARS = 300
-
-
-def _task_scope(ask: bool) -> str | None:
-    """The running task's namespace, which scopes its ``interrupt()`` answers."""
-    if not ask:
-        return None
-    try:
-        conf = get_config().get("configurable") or {}
-    except RuntimeError as exc:  # not inside a LangGraph run: nobody can be asked here
-        raise ConfigurationError(
-            "compensation with ask=True must run inside a graph node or tool (it asks a "
-            "person with interrupt()); elsewhere use ask=False and decide_compensation()"
-        ) from exc
-    return str(conf.get("checkpoint_ns") or "")
-
 
 def _context(
     effect: LedgerEntry,
@@ -105,43 +86,53 @@ def _context(
     by: str | None,
     goal: str,
     committed: Sequence[Mapping[str, Any]],
-) -> UndoContext:
-    if spec.compensate is None:
+) -> tuple[UndoContext, Callable[[], Any]]:
+    """The undo to perform, and its compensator's call: ``compensate(key, args, result)``
+    with the *effect's* key, arguments and recorded result (``current_invocation()`` names
+    the undo)."""
+    compensate = spec.compensate
+    if compensate is None:
         raise ConfigurationError(f"tool {effect.tool!r} declares no compensate=; nothing undoes it")
     if effect.status not in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED):
         raise ConfigurationError(
             f"only a committed effect can be compensated; {effect.key!r} is {effect.status}"
         )
-    return UndoContext(
+    task = None  # the running task's namespace, which scopes its interrupt() answers
+    if ask:
+        try:
+            conf = get_config().get("configurable") or {}
+        except RuntimeError as exc:  # not inside a LangGraph run: nobody can be asked here
+            raise ConfigurationError(
+                "compensation with ask=True must run inside a graph node or tool (it asks a "
+                "person with interrupt()); elsewhere use ask=False and decide_compensation()"
+            ) from exc
+        task = str(conf.get("checkpoint_ns") or "")
+    ctx = UndoContext(
         effect=effect,
         spec=spec,
         thread_id=thread_id or effect.thread_id,
         checkpoint_ns=checkpoint_ns,
-        task=_task_scope(ask),
+        task=task,
         by=by,
         goal=goal,
         committed=tuple(committed),
     )
-
-
-def _not_sent(exc: Exception) -> Exception:
-    # A mistake of the declaration, raised before anything was sent: never "uncertain".
-    exc.maybe_sent = False  # type: ignore[attr-defined]
-    return exc
+    return ctx, lambda: compensate(effect.key, dict(effect.args), effect.result)
 
 
 def _sync_only(answer: Any, tool: str) -> Any:
-    if inspect.isawaitable(answer):
-        close = getattr(answer, "close", None)
-        if callable(close):
-            close()  # never awaited: say so instead of a "never awaited" warning
-        raise _not_sent(
-            ConfigurationError(
-                f"the compensator of {tool!r} is a coroutine function; run the graph with "
-                "ainvoke / astream (or call acompensate_effect)"
-            )
-        )
-    return answer
+    if not inspect.isawaitable(answer):
+        return answer
+    close = getattr(answer, "close", None)
+    if callable(close):
+        close()  # never awaited: say so instead of a "never awaited" warning
+    error = ConfigurationError(
+        f"the compensator of {tool!r} is a coroutine function; run the graph with "
+        "ainvoke / astream (or call acompensate_effect)"
+    )
+    # A mistake of the declaration, raised before anything was sent: never "uncertain".
+    error.maybe_sent = False  # type: ignore[attr-defined]
+    raise error
 
 
 def _person(req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord]) -> Any:
@@ -157,15 +148,6 @@ def _person(req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord
         if isinstance(req, AskPerson):
             pending.append(req.event)  # the run pauses: the question is on record
         raise
-
-
-def _compensator(ctx: UndoContext) -> Callable[[], Any]:
-    """The compensator's call: ``compensate(key, args, result)`` with the *effect's* key,
-    arguments and recorded result (``current_invocation()`` names the undo)."""
-    compensate = ctx.spec.compensate
-    assert compensate is not None
-    effect = ctx.effect
-    return lambda: compensate(effect.key, dict(effect.args), effect.result)
 
 
 def compensate_effect(
@@ -225,8 +207,7 @@ def compensate_effect(
         Exception: The compensator's own error when it failed before acting (the undo can
             run again later).
     """
-    ctx = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
-    run = _compensator(ctx)
+    ctx, run = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
     driver = Driver(
         cp,
         ctx.thread_id,
@@ -261,8 +242,7 @@ async def acompensate_effect(
 ) -> UndoOutcome:
     """Async form of :func:`compensate_effect` (the compensator and the undo pre-check may
     be coroutine functions)."""
-    ctx = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
-    run = _compensator(ctx)
+    ctx, run = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
 
     async def backend() -> LeaseBackend:
         return leases if leases is not None else await cp.alease_backend()
@@ -402,12 +382,6 @@ async def adecide_compensation(
     return moved
 
 
-def _goal(state: Mapping[str, Any]) -> str:
-    messages = state.get("messages") or []
-    human = next((m for m in reversed(messages) if isinstance(m, HumanMessage)), None)
-    return str(human.content)[:_GOAL_CHARS] if human is not None else ""
-
-
 class CompensateNode:
     """Undoes the thread's committed effects newest first, each through the ledger.
 
@@ -431,32 +405,19 @@ class CompensateNode:
             note += f"; left in place by a person: {', '.join(report.left)}"
         return {"flow": {"stage": stage, "reason": reason + note}}
 
+    def _options(self, state: Mapping[str, Any], config: RunnableConfig) -> dict[str, Any]:
+        """The arguments of ``compensate_thread`` for this run."""
+        ctx, executor = run_context(config), self.executor
+        return {
+            **{"cp": self.checkpointer, "thread_id": ctx.thread_id, "tools": executor.tools},
+            **{"checkpoint_ns": ctx.graph_ns, "ask": True, "leases": executor.leases},
+            **{"lease_ttl": executor.lease_ttl, "goal": run_goal(state.get("messages") or [])},
+        }
+
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate synchronously."""
-        ctx = run_context(config)
-        report = compensate_thread(
-            self.checkpointer,
-            ctx.thread_id,
-            self.executor.tools,
-            checkpoint_ns=ctx.graph_ns,
-            ask=True,
-            leases=self.executor.leases,
-            lease_ttl=self.executor.lease_ttl,
-            goal=_goal(state),
-        )
-        return self._summary(state, report)
+        return self._summary(state, compensate_thread(**self._options(state, config)))
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Compensate asynchronously."""
-        ctx = run_context(config)
-        report = await acompensate_thread(
-            self.checkpointer,
-            ctx.thread_id,
-            self.executor.tools,
-            checkpoint_ns=ctx.graph_ns,
-            ask=True,
-            leases=self.executor.leases,
-            lease_ttl=self.executor.lease_ttl,
-            goal=_goal(state),
-        )
-        return self._summary(state, report)
+        return self._summary(state, await acompensate_thread(**self._options(state, config)))

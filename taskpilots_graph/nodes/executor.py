@@ -11,30 +11,21 @@ and recorded in its step record only (no message yet), for the recovery router t
 Calls already answered are never run again, so a retry re-runs that step only. The
 checkpoint LangGraph writes after this node is the recovery anchor.
 
-Durable writes: each side effect costs two (intent, commit), each carrying its events; the
-events of pure tools and of the step are deferred to the thread's next durable write.
+Durable writes: a side effect costs at most two (intent, commit), each carrying its events;
+an idempotent one under a stored step writes no intent, and the commit of an idempotent or
+pre-checked one rides its task's writes (:func:`~taskpilots_graph.engine._protocol.writes_intent`).
+The events of pure tools and of the step wait for the thread's next durable write.
 
-Two more guards apply to every side effect, with the lease backend named (``leases=``) or
-else the checkpointer's own database:
-
-* the thread lease the runner holds (:func:`~taskpilots_graph.locks.current_thread_hold`) is
-  checked before the intent is written and again just before the tool runs, so a run whose
-  lease was lost stops with :class:`~taskpilots_graph.errors.LeaseLost` first;
-* a tool declared with ``lock=`` takes its business lock before the intent is written and
-  keeps it until the call is settled; the fencing token is stamped on every ledger write of
-  the call (``extra["fencing"]``) and passed in ``current_invocation().fencing``. A lock that
-  cannot be taken fails the call closed (nothing written, nothing run); see
-  :func:`~taskpilots_graph.engine._protocol.run_call`. Both are carried out by
-  :class:`~taskpilots_graph.engine._locks.CallLocks`, as in ``RecoveryMiddleware``.
-
-An ``intended`` entry found under the key of a new call is waited for while its writer's
-thread lease is held by another runner (:mod:`taskpilots_graph.engine._await`): a live
-intent is never pre-checked or executed against, only an orphan is reconciled.
+Every side effect is guarded, as in ``RecoveryMiddleware``, by the run's thread lease and a
+``lock=`` tool's business lock (:mod:`taskpilots_graph.engine._locks`), with the lease
+backend named (``leases=``) or else the checkpointer's own database; a live intent found
+under a new call's key is waited for, never reconciled (:mod:`taskpilots_graph.engine._await`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,12 +43,12 @@ from taskpilots_graph.engine._drive import LeaseOwner
 from taskpilots_graph.engine._protocol import SUMMARY_CHARS, RunTool, latest_successes, run_call
 from taskpilots_graph.engine._recovery import failure_signature
 from taskpilots_graph.errors import ConfigurationError, ResultDrifted
-from taskpilots_graph.events import Event, EventKind, EventRecord, prepare_event
+from taskpilots_graph.events import Event, EventKind, EventRecord
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import SideEffectUncertain, args_digest
 from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
-from taskpilots_graph.nodes.think import RESUME_KEY
+from taskpilots_graph.nodes.think import resume_marker
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.tools import SideEffectTool, check_args, spec_of
@@ -225,6 +216,8 @@ class RecoveryExecutor(LeaseOwner):
                 spec=spec,
                 policy=self.policy(using),
                 attempt=int(record.get("attempts", 0)) + 1,
+                # Under "milestones" the checkpoint before the step may be held, not stored.
+                step_durable=ctx.durability == "sync" and not self.record_all_decisions,
             )
             prepared.append(_Call(call, tool, call_ctx, record))
         if not prepared:
@@ -234,13 +227,12 @@ class RecoveryExecutor(LeaseOwner):
         step = _Step(ctx, ai, prepared, first_time, dict(seen))
         # A call may have run before when its step ran before (a retry), or when this run
         # continues one that stopped before the model was asked again (a replayed step).
-        step.replayed = _resumed_before_think(state, config) or any(
+        step.replayed = resume_marker(state, config) is not None or any(
             c.record.get("calls", 0) > 0 for c in prepared
         )
         if first_time:
             step.pending.append(
-                self._event(
-                    ctx,
+                ctx.event(
                     EventKind.LLM_DECIDED,
                     tool_calls=[
                         {"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls
@@ -252,11 +244,14 @@ class RecoveryExecutor(LeaseOwner):
 
     @staticmethod
     def _attach_previous(step: _Step, events: Sequence[Event]) -> None:
-        """Give each call the ``tool_succeeded`` payload of its latest earlier execution."""
+        """Give each call the ``tool_succeeded`` payload of its latest earlier execution;
+        keep the step's ``llm_decided`` out of the log when an earlier execution logged it
+        (a crash after the decision was logged: the step runs again, the model did not)."""
+        if step.first_time and _decision_logged(events, step.ai):
+            step.pending[:] = [e for e in step.pending if e.kind is not EventKind.LLM_DECIDED]
         latest = latest_successes(events)  # one read for the whole step
         for item in step.calls:
-            found = latest.get((item.ctx.key, item.ctx.tool_call_id))
-            if found is not None:
+            if (found := latest.get((item.ctx.key, item.ctx.tool_call_id))) is not None:
                 item.ctx = replace(item.ctx, previous=found)
 
     def _decision_record(
@@ -355,13 +350,12 @@ class RecoveryExecutor(LeaseOwner):
 
     def _finish(
         self,
-        state: Mapping[str, Any],
         step: _Step,
         outcomes: list[tuple[_Call, CallOutcome]],
         artifacts: list[CompressedObservation],
     ) -> dict[str, Any]:
         messages: list[BaseMessage] = []
-        records: dict[str, StepRecord | None] = {}
+        records: dict[str, StepRecord] = {}
         committed: list[str] = []
         signatures: list[str] = []
         for item, outcome in outcomes:
@@ -384,10 +378,8 @@ class RecoveryExecutor(LeaseOwner):
                     failure = outcome.failure
                     signature = failure_signature(item.ctx.tool, failure.kind, failure.error_type)
                     signatures.append(f"{signature}|{args_digest(item.ctx.args)[:16]}")
-        closed = [r for r in records.values() if r is not None]
         step.pending.append(
-            self._event(
-                step.ctx,
+            step.ctx.event(
                 EventKind.STEP_COMPLETED,
                 observations=[
                     {
@@ -401,44 +393,36 @@ class RecoveryExecutor(LeaseOwner):
                             :STEP_RESULT_CHARS
                         ],
                     }
-                    for (_, o), r in zip(outcomes, closed, strict=True)
+                    for (_, o), r in zip(outcomes, records.values(), strict=True)
                 ],
             )
         )
         update: dict[str, Any] = {"messages": messages, "steps": records}
-        if committed or signatures:
-            flow: dict[str, Any] = {}
-            if committed:
-                flow["committed"] = committed
-            if signatures:
-                # Counted per thread: the same failure again and again is a stuck loop.
-                flow["signatures"] = dict(_count(signatures, step.signatures_seen))
+        flow: dict[str, Any] = {"committed": committed} if committed else {}
+        if signatures:
+            # Counted per thread: the same failure again and again is a stuck loop.
+            counts = Counter(step.signatures_seen)
+            counts.update(signatures)
+            flow["signatures"] = dict(counts)
+        if flow:
             update["flow"] = flow
         return update
-
-    @staticmethod
-    def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
-        return prepare_event(
-            ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
-        )
 
     # -- sync driver -------------------------------------------------------------------------
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Run the pending calls synchronously."""
-        step = self._prepare(state, config)
-        if step is None:
+        if (step := self._prepare(state, config)) is None:
             return {}
         cp = self.checkpointer
-        decision = self._decision_record(state, step)
-        if decision is not None:
+        if (decision := self._decision_record(state, step)) is not None:
             (cp.defer_decision if _has_side_effect(step) else cp.record_decision)(*decision)
         if step.replayed:
             self._attach_previous(step, cp.events(step.ctx.thread_id))
         try:
             outcomes = [(item, self._drive(step, item, config)) for item in step.calls]
             artifacts: list[CompressedObservation] = []
-            update = self._finish(state, step, outcomes, artifacts)
+            update = self._finish(step, outcomes, artifacts)
             for done in artifacts:
                 media_type = done.observation["media_type"]
                 cp.put_artifact(step.ctx.thread_id, done.payload or b"", media_type=media_type)
@@ -453,15 +437,12 @@ class RecoveryExecutor(LeaseOwner):
         if item.tool is None:
             return CallOutcome()  # answered "unknown tool" by _settle
 
-        def run_tool(request: RunTool) -> Any:
-            return _target(item.tool).invoke(dict(item.ctx.args), config)
-
         driver = Driver(
             self.checkpointer,
             item.ctx.thread_id,
             self.lease_backend,
             self.lease_ttl,
-            run_tool,
+            lambda _: _target(item.tool).invoke(dict(item.ctx.args), config),
             check_args=lambda args: check_args(_target(item.tool), args),
             pending=step.pending,
         )
@@ -474,12 +455,10 @@ class RecoveryExecutor(LeaseOwner):
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         """Run the pending calls asynchronously."""
-        step = self._prepare(state, config)
-        if step is None:
+        if (step := self._prepare(state, config)) is None:
             return {}
         cp = self.checkpointer
-        decision = self._decision_record(state, step)
-        if decision is not None:
+        if (decision := self._decision_record(state, step)) is not None:
             if _has_side_effect(step):
                 cp.defer_decision(*decision)
             else:
@@ -489,7 +468,7 @@ class RecoveryExecutor(LeaseOwner):
         try:
             outcomes = [(item, await self._adrive(step, item, config)) for item in step.calls]
             artifacts: list[CompressedObservation] = []
-            update = self._finish(state, step, outcomes, artifacts)
+            update = self._finish(step, outcomes, artifacts)
             for done in artifacts:
                 media_type = done.observation["media_type"]
                 await cp.aput_artifact(
@@ -529,20 +508,14 @@ def _uncertain(exc: SideEffectUncertain) -> CallOutcome:
     return CallOutcome(error=exc, failure=classify(exc))
 
 
-def _resumed_before_think(state: Mapping[str, Any], config: RunnableConfig) -> bool:
-    """This run continues a stopped one (``resume`` / ``decide``) and the model has not been
-    asked since: the calls of the last model message were decided before, and may have run."""
-    marker = (config.get("configurable") or {}).get(RESUME_KEY)
-    if not isinstance(marker, Mapping):
-        return False
-    return bool((state.get("flow") or {}).get("resumed_seq") != marker.get("seq"))
-
-
-def _count(new: list[str], seen: Mapping[str, int]) -> Mapping[str, int]:
-    counts = dict(seen)
-    for signature in new:
-        counts[signature] = counts.get(signature, 0) + 1
-    return counts
+def _decision_logged(events: Sequence[Event], ai: AIMessage) -> bool:
+    """Whether ``events`` hold the ``llm_decided`` of ``ai``'s tool calls (by their ids)."""
+    ids = [call["id"] for call in ai.tool_calls]
+    for event in events:
+        calls = event.payload.get("tool_calls") if event.kind is EventKind.LLM_DECIDED else None
+        if isinstance(calls, list) and [c.get("id") for c in calls] == ids:
+            return True
+    return False
 
 
 def _has_side_effect(step: _Step) -> bool:

@@ -23,24 +23,14 @@ from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
 from taskpilots_graph.engine._run import run_finished
 from taskpilots_graph.errors import ToolWaiting
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.events import EventKind, EventRecord
 from taskpilots_graph.failures import FailureKind
-from taskpilots_graph.nodes._context import RunContext, run_context
+from taskpilots_graph.nodes._context import run_context
 from taskpilots_graph.nodes.executor import RecoveryExecutor, error_message, pending_calls
 from taskpilots_graph.recovery import Action, RecoveryDecision
 from taskpilots_graph.state import StepRecord
 
 __all__ = ["RecoveryRouter", "WaitNode", "describe", "fail_run"]
-
-# Which node each decision leads to, strongest first: one step that must fail the run wins
-# over another that could be retried.
-_PRIORITY = (Action.FAIL, Action.COMPENSATE, Action.TAKEOVER)
-
-
-def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
-    return prepare_event(
-        ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
-    )
 
 
 def describe(failure: Mapping[str, Any]) -> str:
@@ -84,8 +74,7 @@ class RecoveryRouter:
         ctx = run_context(config)
         now = _clock.now()
         steps: Mapping[str, StepRecord] = state.get("steps") or {}
-        flow = state.get("flow") or {}
-        signatures = flow.get("signatures", {})
+        signatures = (state.get("flow") or {}).get("signatures", {})
         _, calls = pending_calls(state["messages"])
         updates: dict[str, StepRecord] = {}
         messages: list[ToolMessage] = []
@@ -94,7 +83,7 @@ class RecoveryRouter:
         reasons: list[str] = []
         for call in calls:
             record = steps.get(call["id"] or "")
-            if record is None or record.get("status") not in ("waiting_tool",):
+            if record is None or record.get("status") != "waiting_tool":
                 continue
             if record.get("retry_at") is not None:
                 actions.add(Action.RETRY)  # already scheduled by an earlier pass
@@ -115,18 +104,26 @@ class RecoveryRouter:
                 rng=self.rng,
             )
             actions.add(decision.action)
-            update, message = self._apply(using, tried, decision, failure)
+            update, message = self._apply(tried, decision, failure)
             updates[call["id"] or ""] = update
             if decision.action is not Action.RETRY:
                 reasons.append(f"{using}: {decision.reason}")
             if message is not None:
                 messages.append(error_message(call, message))
-            events.extend(self._events(ctx, call["name"], using, decision, failure))
-        return self._route(ctx, state, updates, messages, actions, reasons, now), events
+            base = {
+                "tool": call["name"],
+                "using": using,
+                "reason": decision.reason,
+                "failure_kind": failure.get("kind"),
+            }
+            events += transition_events(ctx.thread_id, ctx.graph_ns, decision, **base)
+            if decision.action is Action.TAKEOVER:
+                events.append(ctx.event(EventKind.TAKEOVER_REQUESTED, **base))
+        return self._route(state, updates, messages, actions, reasons, now), events
 
     @staticmethod
     def _apply(
-        using: str, tried: list[str], decision: RecoveryDecision, failure: Mapping[str, Any]
+        tried: list[str], decision: RecoveryDecision, failure: Mapping[str, Any]
     ) -> tuple[StepRecord, str | None]:
         action = decision.action
         if action is Action.RETRY:
@@ -145,28 +142,8 @@ class RecoveryRouter:
             return {"status": "closed"}, f"{describe(failure)} ({decision.reason})"
         return {"status": "awaiting_human" if action is Action.TAKEOVER else "closed"}, None
 
-    @staticmethod
-    def _events(
-        ctx: RunContext,
-        tool: str,
-        using: str,
-        decision: RecoveryDecision,
-        failure: Mapping[str, Any],
-    ) -> list[EventRecord]:
-        base = {
-            "tool": tool,
-            "using": using,
-            "reason": decision.reason,
-            "failure_kind": failure.get("kind"),
-        }
-        events = transition_events(ctx.thread_id, ctx.graph_ns, decision, **base)
-        if decision.action is Action.TAKEOVER:
-            events.append(_event(ctx, EventKind.TAKEOVER_REQUESTED, **base))
-        return events
-
     def _route(
         self,
-        ctx: RunContext,
         state: Mapping[str, Any],
         updates: dict[str, StepRecord],
         messages: list[ToolMessage],
@@ -176,6 +153,7 @@ class RecoveryRouter:
     ) -> Command[str]:
         update: dict[str, Any] = {"steps": updates, "messages": messages}
         reason = "; ".join(reasons) or None
+        # Strongest first: one step that must fail the run wins over one that could be retried.
         for action, node, stage in (
             (Action.FAIL, "fail", "failed"),
             (Action.COMPENSATE, "compensate", "compensating"),
@@ -196,11 +174,8 @@ class RecoveryRouter:
             )
             update["flow"] = {"stage": "waiting_tool", "retry_at": due, "reason": reason}
             return Command(goto="wait", update=update)
-        if Action.DEGRADE in actions:
-            update["flow"] = {"stage": "running", "retry_at": None}
-            return Command(goto="act", update=update)
         update["flow"] = {"stage": "running", "retry_at": None}
-        return Command(goto="think", update=update)
+        return Command(goto="act" if Action.DEGRADE in actions else "think", update=update)
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Route synchronously."""

@@ -33,13 +33,15 @@ from taskpilots_graph.errors import InvalidDecision
 from taskpilots_graph.events import EventRecord
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.nodes._context import RunContext, run_context
-from taskpilots_graph.nodes.compensate import ABANDONED
 from taskpilots_graph.nodes.executor import error_message, pending_calls, tool_content
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 from taskpilots_graph.window import decisions_this_turn
 
-__all__ = ["TakeoverNode", "build_request", "waiting_steps"]
+__all__ = ["ABANDONED", "TakeoverNode", "build_request", "run_goal", "waiting_steps"]
+
+ABANDONED = "abandoned by a person"
+"""The flow reason of a run a person abandoned: compensated, then closed (not failed)."""
 
 _SUMMARY = 300
 
@@ -55,7 +57,8 @@ def waiting_steps(state: Mapping[str, Any]) -> list[StepRecord]:
     ]
 
 
-def _goal(messages: Sequence[Any]) -> str:
+def run_goal(messages: Sequence[Any]) -> str:
+    """The run's goal as a person is shown it: the last user message, cut."""
     human = next((m for m in reversed(messages) if isinstance(m, HumanMessage)), None)
     return str(human.content)[:_SUMMARY] if human is not None else ""
 
@@ -99,12 +102,18 @@ def build_request(
     if failure is not None:
         failure["attempts"] = first.get("attempts")
     drift = failure.pop("drift", None) if failure is not None else None
-    if isinstance(drift, Mapping):
-        options = _drift_options(tool, drift, options)
+    if isinstance(drift, Mapping):  # what each answer to a drifted result triggers
+        options = {
+            "accept": f"keeps the new result of {tool} and continues with it",
+            "retry": f"calls {tool} again and compares its answer with the new result",
+            "skip": options["skip"],
+            "provide_result": f"records your result as {tool}'s result and continues",
+            "abandon": options["abandon"],
+        }
         drift = {"tool": tool, "tool_call_id": first.get("tool_call_id"), **drift}
     return TakeoverRequest(
         thread_id=thread_id,
-        goal=_goal(state["messages"]),
+        goal=run_goal(state["messages"]),
         reason=flow.get("reason"),
         failure=failure,
         done_steps=done,
@@ -123,17 +132,6 @@ def build_request(
         options=options,
         drift=dict(drift) if isinstance(drift, Mapping) else None,
     )
-
-
-def _drift_options(tool: str, drift: Mapping[str, Any], usual: Mapping[str, str]) -> dict[str, str]:
-    """What each answer to a drifted result triggers."""
-    return {
-        "accept": f"keeps the new result of {tool} and continues with it",
-        "retry": f"calls {tool} again and compares its answer with the new result",
-        "skip": usual["skip"],
-        "provide_result": f"records your result as {tool}'s result and continues",
-        "abandon": usual["abandon"],
-    }
 
 
 def _drifted(record: StepRecord) -> Mapping[str, Any] | None:
@@ -181,9 +179,11 @@ class TakeoverNode:
         self,
         state: Mapping[str, Any],
         ctx: RunContext,
-        decision: Decision,
         ledger: Sequence[LedgerEntry],
     ) -> tuple[Command[str], list[tuple[LedgerEntry, LedgerEntry]], list[EventRecord]]:
+        """Ask a person (``interrupt()``); the command, ledger moves and event of the answer."""
+        request = build_request(state, ctx.thread_id, ledger).model_dump(mode="json")
+        decision = parse_decision(interrupt(request))
         chosen = targets(state, decision)
         by_key = {e.key: e for e in ledger}
         now = datetime.now(UTC)
@@ -198,37 +198,25 @@ class TakeoverNode:
         event = decision_recorded(ctx.thread_id, ctx.graph_ns, decision, who, steps)
         return _command(state, decision, chosen), writes, [event]
 
-    def _request(
-        self, state: Mapping[str, Any], ctx: RunContext, ledger: Sequence[LedgerEntry]
-    ) -> dict[str, Any]:
-        return build_request(state, ctx.thread_id, ledger).model_dump(mode="json")
-
     def _ledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
         # The thread's entries, plus those of waiting steps recorded under a business key by
         # another thread (keys are global): the person must see the effect in question.
         ledger = self.checkpointer.ledger(thread_id)
         known = {e.key for e in ledger}
-        for record in waiting_steps(state):
-            key = record.get("key")
-            if key and key not in known and (entry := self.checkpointer.ledger_entry(key)):
-                ledger.append(entry)
-        return ledger
+        keys = [k for r in waiting_steps(state) if (k := r.get("key")) and k not in known]
+        return ledger + [e for k in keys if (e := self.checkpointer.ledger_entry(k))]
 
     async def _aledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
         ledger = await self.checkpointer.aledger(thread_id)
         known = {e.key for e in ledger}
-        for record in waiting_steps(state):
-            key = record.get("key")
-            if key and key not in known and (entry := await self.checkpointer.aledger_entry(key)):
-                ledger.append(entry)
-        return ledger
+        keys = [k for r in waiting_steps(state) if (k := r.get("key")) and k not in known]
+        return ledger + [e for k in keys if (e := await self.checkpointer.aledger_entry(k))]
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Ask, then apply the answer."""
         ctx = run_context(config)
         ledger = self._ledger(state, ctx.thread_id)
-        decision = parse_decision(interrupt(self._request(state, ctx, ledger)))
-        command, writes, events = self._plan(state, ctx, decision, ledger)
+        command, writes, events = self._plan(state, ctx, ledger)
         for before, after in writes:
             self.checkpointer.write_ledger(
                 after, expect=(before.status, before.attempt), events=events
@@ -241,8 +229,7 @@ class TakeoverNode:
         """Async form of :meth:`invoke`."""
         ctx = run_context(config)
         ledger = await self._aledger(state, ctx.thread_id)
-        decision = parse_decision(interrupt(self._request(state, ctx, ledger)))
-        command, writes, events = self._plan(state, ctx, decision, ledger)
+        command, writes, events = self._plan(state, ctx, ledger)
         for before, after in writes:
             await self.checkpointer.awrite_ledger(
                 after, expect=(before.status, before.attempt), events=events

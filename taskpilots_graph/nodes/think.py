@@ -30,7 +30,8 @@ the run stops before this node; ``resume`` asks again. A turn that needs more th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
@@ -74,7 +75,7 @@ from taskpilots_graph.window import (
     model_token_counter,
 )
 
-__all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "resumed_config"]
+__all__ = ["RESUME_KEY", "ResumeContext", "ThinkNode", "resume_marker", "resumed_config"]
 
 RESUME_KEY = "__taskpilots_resume__"
 """Config key set by ``resume`` / ``decide``: ``{"seq": <run_resumed event>, "age": <s>}``."""
@@ -89,6 +90,17 @@ def resumed_config(config: RunnableConfig, seq: int, snapshot: StateSnapshot) ->
         age = max(0.0, _clock.now() - created.timestamp())
     configurable = {**(config.get("configurable") or {}), RESUME_KEY: {"seq": seq, "age": age}}
     return cast(RunnableConfig, {**config, "configurable": configurable})
+
+
+def resume_marker(state: Mapping[str, Any], config: RunnableConfig) -> Mapping[str, Any] | None:
+    """The resume marker of ``config`` while the model was not asked since the resume (the
+    last model message was decided before it, so its calls may have run)."""
+    marker = (config.get("configurable") or {}).get(RESUME_KEY)
+    if not isinstance(marker, Mapping):
+        return None
+    if (state.get("flow") or {}).get("resumed_seq") == marker.get("seq"):
+        return None  # this resume was already handled by an earlier decision
+    return marker
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +138,7 @@ Model = BaseChatModel | Runnable[LanguageModelInput, BaseMessage]
 def _bind(model: Model, tools: Sequence[BaseTool]) -> Runnable[LanguageModelInput, BaseMessage]:
     if not tools:
         return model
-    bind = getattr(model, "bind_tools", None)
-    if bind is None:
+    if (bind := getattr(model, "bind_tools", None)) is None:
         raise ConfigurationError(
             f"{type(model).__name__} has no bind_tools(); "
             "use a chat model that supports tool calling"
@@ -213,20 +224,23 @@ class ThinkNode:
             )
         )
 
-    @staticmethod
-    def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
-        return prepare_event(
-            ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
-        )
-
-    def _milestones(
+    def _start(
         self, state: Mapping[str, Any], ctx: RunContext
-    ) -> tuple[list[str], list[EventRecord]]:
+    ) -> tuple[list[EventRecord], Command[str] | None, list[str]]:
+        """The run's first events, the takeover of a stuck turn, and the milestones."""
+        started = run_started(ctx.thread_id, ctx.graph_ns, state["messages"])
+        events = [started] if started is not None else []
+        if _budget_used(state) >= self.max_steps:
+            reason = f"stuck: {self.max_steps} model decisions in this turn without an answer"
+            events.append(ctx.event(EventKind.STUCK_DETECTED, reason=reason))
+            events.append(ctx.event(EventKind.TAKEOVER_REQUESTED, reason=reason))
+            flow = {"stage": "awaiting_human", "takeover": True, "reason": reason}
+            return events, Command(goto="takeover", update={"flow": flow}), []
         reached = set((state.get("flow") or {}).get("milestones", []))
         new = [
             name for name, holds in self.milestones.items() if name not in reached and holds(state)
         ]
-        events = [
+        events += [
             prepare_event(
                 ctx.thread_id,
                 EventKind.MILESTONE_REACHED,
@@ -236,23 +250,7 @@ class ThinkNode:
             )
             for name in new
         ]
-        return [*sorted(reached), *new] if new else [], events
-
-    def _start(
-        self, state: Mapping[str, Any], ctx: RunContext
-    ) -> tuple[list[EventRecord], Command[str] | None]:
-        messages = state["messages"]
-        events = []
-        started = run_started(ctx.thread_id, ctx.graph_ns, messages)
-        if started is not None:
-            events.append(started)
-        if _budget_used(state) >= self.max_steps:
-            reason = f"stuck: {self.max_steps} model decisions in this turn without an answer"
-            events.append(self._event(ctx, EventKind.STUCK_DETECTED, reason=reason))
-            events.append(self._event(ctx, EventKind.TAKEOVER_REQUESTED, reason=reason))
-            flow = {"stage": "awaiting_human", "takeover": True, "reason": reason}
-            return events, Command(goto="takeover", update={"flow": flow})
-        return events, None
+        return events, None, [*sorted(reached), *new] if new else []
 
     @staticmethod
     def _may_replay(ctx: RunContext, marker: Mapping[str, Any] | None) -> bool:
@@ -260,22 +258,6 @@ class ThinkNode:
         # yet durable: after a resume, or in a run that is not "sync". A fresh "sync" run
         # skips the lookup (one read per decision saved).
         return marker is not None or ctx.durability != "sync"
-
-    def _resume_marker(
-        self, state: Mapping[str, Any], config: RunnableConfig
-    ) -> Mapping[str, Any] | None:
-        marker = (config.get("configurable") or {}).get(RESUME_KEY)
-        if not isinstance(marker, Mapping):
-            return None
-        if (state.get("flow") or {}).get("resumed_seq") == marker.get("seq"):
-            return None  # this resume was already handled by an earlier decision
-        return marker
-
-    @staticmethod
-    def _handled(marker: Mapping[str, Any] | None, asked: bool) -> dict[str, Any]:
-        # The resume is handled once the model was called with its context; a replayed
-        # decision leaves it pending for the next real call of this run.
-        return {"resumed_seq": marker.get("seq")} if marker is not None and asked else {}
 
     def _resume_prompt(
         self,
@@ -294,7 +276,7 @@ class ThinkNode:
         self, ctx: RunContext, ack: BaseMessage, events: list[EventRecord]
     ) -> list[BaseMessage]:
         text = str(ack.content)[:SUMMARY_CHARS]
-        events.append(self._event(ctx, EventKind.LLM_DECIDED, acknowledgement=text))
+        events.append(ctx.event(EventKind.LLM_DECIDED, acknowledgement=text))
         return [AIMessage(text), HumanMessage("Continue.", name=RESUME_NAME)]
 
     def _finish(
@@ -303,8 +285,9 @@ class ThinkNode:
         ai: BaseMessage,
         replayed: bool,
         events: list[EventRecord],
-        prefix: Sequence[BaseMessage] = (),
-        flow: Mapping[str, Any] | None = None,
+        prefix: Sequence[BaseMessage],
+        marker: Mapping[str, Any] | None,
+        milestones: list[str],
     ) -> Command[str]:
         if not isinstance(ai, AIMessage):
             raise ConfigurationError(
@@ -312,13 +295,16 @@ class ThinkNode:
             )
         if replayed:
             events.append(
-                self._event(
-                    ctx, EventKind.LLM_DECIDED, replayed=True, tool_calls=len(ai.tool_calls)
-                )
+                ctx.event(EventKind.LLM_DECIDED, replayed=True, tool_calls=len(ai.tool_calls))
             )
         update: dict[str, Any] = {"messages": [*prefix, ai]}
+        # The resume is handled once the model was called with its context; a replayed
+        # decision leaves it pending for the next real call of this run.
+        flow = {"resumed_seq": marker.get("seq")} if marker is not None and not replayed else {}
+        if milestones:
+            flow["milestones"] = milestones
         if flow:
-            update["flow"] = dict(flow)
+            update["flow"] = flow
         if ai.tool_calls:
             # Decisions with tool calls are logged by the act node with its first write.
             return Command(goto="act", update=update)
@@ -327,30 +313,30 @@ class ThinkNode:
         update["flow"] = {**update.get("flow", {}), "stage": "closed"}
         return Command(goto=END, update=update)
 
+    def _attempts(self) -> Iterator[tuple[int, int]]:
+        """(model index, attempt): every attempt of the model, then of each fallback."""
+        return itertools.product(range(len(self.models)), range(1, self.policy.max_attempts + 1))
+
     def _failed(
-        self, ctx: RunContext, index: int, attempt: int, exc: Exception
-    ) -> tuple[EventRecord, float]:
+        self, ctx: RunContext, index: int, attempt: int, exc: Exception, events: list[EventRecord]
+    ) -> float | None:
+        """Record a failed model call; the pause before the same model's next attempt."""
         failure = classify(exc)
-        event = self._event(
-            ctx,
-            EventKind.MODEL_FAILED,
-            model=index,
-            attempt=attempt,
-            failure=failure_payload(failure),
+        payload = failure_payload(failure)
+        events.append(
+            ctx.event(EventKind.MODEL_FAILED, model=index, attempt=attempt, failure=payload)
         )
         delay = failure.retry_after or self.policy.backoff.delay(attempt)
-        return event, delay
+        return delay if attempt < self.policy.max_attempts else None
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action synchronously."""
         ctx = run_context(config)
-        events, stuck = self._start(state, ctx)
+        events, stuck, milestones = self._start(state, ctx)
         if stuck is not None:
             self.checkpointer.append_records(events)
             return stuck
-        milestones, reached_events = self._milestones(state, ctx)
-        events += reached_events
-        marker = self._resume_marker(state, config)
+        marker = resume_marker(state, config)
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
@@ -370,10 +356,7 @@ class ThinkNode:
                         ack = self._call(ctx, state, [*messages, *extra], config, events)
                         extra += self._acknowledged(ctx, ack, events)
                 ai = self._call(ctx, state, [*messages, *extra], config, events)
-            flow = self._handled(marker, recorded is None)
-            if milestones:
-                flow["milestones"] = milestones
-            return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
+            return self._finish(ctx, ai, recorded is not None, events, dangling, marker, milestones)
         finally:
             self.checkpointer.append_records(events)
 
@@ -386,31 +369,26 @@ class ThinkNode:
         events: list[EventRecord],
     ) -> BaseMessage:
         last: Exception | None = None
-        for index, model in enumerate(self.models):
-            for attempt in range(1, self.policy.max_attempts + 1):
-                try:
-                    return model.invoke(self._input(state, messages, index), config)
-                except GraphBubbleUp:
-                    raise
-                except Exception as exc:
-                    last = exc
-                    event, delay = self._failed(ctx, index, attempt, exc)
-                    events.append(event)
-                    if attempt < self.policy.max_attempts:
-                        _clock.sleep(delay)
+        for index, attempt in self._attempts():
+            try:
+                return self.models[index].invoke(self._input(state, messages, index), config)
+            except GraphBubbleUp:
+                raise
+            except Exception as exc:
+                last = exc
+                if (delay := self._failed(ctx, index, attempt, exc, events)) is not None:
+                    _clock.sleep(delay)
         assert last is not None
         raise last
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action asynchronously."""
         ctx = run_context(config)
-        events, stuck = self._start(state, ctx)
+        events, stuck, milestones = self._start(state, ctx)
         if stuck is not None:
             await self.checkpointer.aappend_records(events)
             return stuck
-        milestones, reached_events = self._milestones(state, ctx)
-        events += reached_events
-        marker = self._resume_marker(state, config)
+        marker = resume_marker(state, config)
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
@@ -432,10 +410,7 @@ class ThinkNode:
                         ack = await self._acall(ctx, state, [*messages, *extra], config, events)
                         extra += self._acknowledged(ctx, ack, events)
                 ai = await self._acall(ctx, state, [*messages, *extra], config, events)
-            flow = self._handled(marker, recorded is None)
-            if milestones:
-                flow["milestones"] = milestones
-            return self._finish(ctx, ai, recorded is not None, events, dangling, flow)
+            return self._finish(ctx, ai, recorded is not None, events, dangling, marker, milestones)
         finally:
             await self.checkpointer.aappend_records(events)
 
@@ -448,17 +423,14 @@ class ThinkNode:
         events: list[EventRecord],
     ) -> BaseMessage:
         last: Exception | None = None
-        for index, model in enumerate(self.models):
-            for attempt in range(1, self.policy.max_attempts + 1):
-                try:
-                    return await model.ainvoke(self._input(state, messages, index), config)
-                except GraphBubbleUp:
-                    raise
-                except Exception as exc:
-                    last = exc
-                    event, delay = self._failed(ctx, index, attempt, exc)
-                    events.append(event)
-                    if attempt < self.policy.max_attempts:
-                        await _clock.asleep(delay)
+        for index, attempt in self._attempts():
+            try:
+                return await self.models[index].ainvoke(self._input(state, messages, index), config)
+            except GraphBubbleUp:
+                raise
+            except Exception as exc:
+                last = exc
+                if (delay := self._failed(ctx, index, attempt, exc, events)) is not None:
+                    await _clock.asleep(delay)
         assert last is not None
         raise last

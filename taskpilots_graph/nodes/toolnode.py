@@ -193,9 +193,8 @@ class ToolNode(_LangGraphToolNode):
             return recovery
 
     def _wrap(self, request: ToolCallRequest, execute: Execute) -> Any:
-        config = request.runtime.config
-        recovery = self.recovery(config)
-        thread_id = _thread_id(config)
+        recovery = self.recovery(request.runtime.config)
+        thread_id = _thread_id(request.runtime.config)
         try:
             return recovery.wrap_tool_call(request, execute)
         finally:
@@ -205,9 +204,8 @@ class ToolNode(_LangGraphToolNode):
                 recovery.checkpointer.append_records([], flush=thread_id)
 
     async def _awrap(self, request: ToolCallRequest, execute: AsyncExecute) -> Any:
-        config = request.runtime.config
-        recovery = self.recovery(config)
-        thread_id = _thread_id(config)
+        recovery = self.recovery(request.runtime.config)
+        thread_id = _thread_id(request.runtime.config)
         try:
             return await recovery.awrap_tool_call(request, execute)
         finally:

@@ -44,14 +44,10 @@ if TYPE_CHECKING:
     from taskpilots_graph.notebook.widget import TakeoverWidget, takeover_widget
 
 
-def _register_views() -> None:
-    # The run objects of the domain modules show as these tables (their ``_repr_html_``):
-    # the domain modules know the registry of taskpilots_graph.reprs, never this package.
-    for type_name, render in VIEWS.items():
-        register_html(type_name, render)
-
-
-_register_views()
+# The run objects of the domain modules show as these tables (their ``_repr_html_``): the
+# domain modules know the registry of taskpilots_graph.reprs, never this package.
+for _type_name, _render in VIEWS.items():
+    register_html(_type_name, _render)
 
 # Optional dependencies: matplotlib for the plots, ipywidgets for the widget.
 _LAZY = {

@@ -12,6 +12,7 @@ The module is I/O free; :mod:`taskpilots_graph.notebook.timeline` reads the stor
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from html import escape
@@ -42,21 +43,6 @@ __all__ = [
 
 _CELL = 160  # characters of a JSON value or message shown in one table cell
 
-STEP_STATES: tuple[str, ...] = (
-    "ok",
-    "failed",
-    "waiting",
-    "degraded",
-    "uncertain",
-    "reconciled",
-    "human",
-    "resumed",
-    "compensating",
-    "closed",
-    "info",
-)
-"""The colour classes of timeline rows (``tp-s-<state>``), in legend order."""
-
 _COLOURS = {
     "ok": "#e6f4ea",
     "failed": "#fde7e9",
@@ -70,6 +56,9 @@ _COLOURS = {
     "closed": "#c9ecd4",
     "info": "#ffffff",
 }
+
+STEP_STATES: tuple[str, ...] = tuple(_COLOURS)
+"""The colour classes of timeline rows (``tp-s-<state>``), in legend order."""
 
 # Jupyter styles every table it renders: JupyterLab (and nbconvert's HTML export) stripes
 # rows with ``.jp-RenderedHTMLCommon tbody tr:nth-child(odd|even)`` and ``tr:hover``, right-
@@ -111,13 +100,10 @@ def _text(value: Any, limit: int = _CELL) -> str:
     """``value`` as short, escaped text (JSON for non-strings)."""
     if value is None:
         return ""
-    if isinstance(value, str):
-        text = value
-    else:
-        if isinstance(value, Mapping):
-            value = dict(value)
-        text = json.dumps(value, ensure_ascii=False, default=str, sort_keys=True)
-    text = " ".join(text.split())
+    if not isinstance(value, str):
+        value = dict(value) if isinstance(value, Mapping) else value
+        value = json.dumps(value, ensure_ascii=False, default=str, sort_keys=True)
+    text = " ".join(value.split())
     if len(text) > limit:
         text = text[: limit - 1] + "…"
     return escape(text)
@@ -129,9 +115,7 @@ def _code(value: Any, limit: int = _CELL) -> str:
 
 
 def _time(value: datetime | None) -> str:
-    if value is None:
-        return ""
-    return value.astimezone(UTC).strftime("%H:%M:%S.%f")[:-3]
+    return "" if value is None else value.astimezone(UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _percent(value: float | None) -> str:
@@ -229,8 +213,7 @@ def timeline_html(thread_id: str, steps: Sequence[ReplayStep], *, status: str | 
     Columns: ``#``, ``time`` (UTC), ``+s`` (seconds since the first event), ``actor``,
     ``event``, ``tool``, ``attempt``, ``what happened``. Superseded rows are struck through.
     """
-    live = [s for s in steps if not s.superseded]
-    count = {k: sum(1 for s in live if s.kind is k) for k in EventKind}
+    count = Counter(s.kind for s in steps if not s.superseded)
     facts = [
         f"{len(steps)} events",
         f"{count[EventKind.TOOL_INVOKED]} tool calls",
@@ -277,6 +260,18 @@ def replay_html(replay: Replay) -> str:
 
 # -- ledger ------------------------------------------------------------------------------------
 
+_LEDGER_COLUMNS: tuple[tuple[str, Callable[[LedgerEntry], str]], ...] = (
+    ("key", lambda e: _code(e.key, 80)),
+    ("thread", lambda e: _text(e.thread_id)),
+    ("tool", lambda e: _text(e.tool)),
+    ("status", lambda e: f'<span class="tp-badge">{escape(e.status.value)}</span>'),
+    ("attempt", lambda e: str(e.attempt)),
+    ("arguments", lambda e: _code(e.args)),
+    ("result", lambda e: _code(e.result)),
+    ("proof", lambda e: _code(e.proof)),
+    ("error", lambda e: _code(e.error)),
+    ("updated", lambda e: _time(e.updated_at)),
+)
 _LEDGER_STATES = {
     "committed": "ok",
     "compensated": "compensating",
@@ -292,45 +287,14 @@ def ledger_html(entries: Sequence[LedgerEntry], *, thread_id: str | None = None)
     Columns: ``key``, ``thread``, ``tool``, ``status``, ``attempt``, ``arguments``,
     ``result``, ``proof``, ``error``, ``updated``.
     """
-    statuses: dict[str, int] = {}
-    for entry in entries:
-        statuses[entry.status.value] = statuses.get(entry.status.value, 0) + 1
+    statuses = Counter(entry.status.value for entry in entries)
     by_status = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no effects"
     summary = f'<div class="tp-summary">{len(entries)} entries: {escape(by_status)}</div>'
     rows = [
-        (
-            f"tp-s-{_LEDGER_STATES.get(e.status.value, 'info')}",
-            [
-                _code(e.key, 80),
-                _text(e.thread_id),
-                _text(e.tool),
-                f'<span class="tp-badge">{escape(e.status.value)}</span>',
-                str(e.attempt),
-                _code(e.args),
-                _code(e.result),
-                _code(e.proof),
-                _code(e.error),
-                _time(e.updated_at),
-            ],
-        )
+        (f"tp-s-{_LEDGER_STATES.get(e.status.value, 'info')}", [f(e) for _, f in _LEDGER_COLUMNS])
         for e in entries
     ]
-    table = _table(
-        [
-            "key",
-            "thread",
-            "tool",
-            "status",
-            "attempt",
-            "arguments",
-            "result",
-            "proof",
-            "error",
-            "updated",
-        ],
-        rows,
-        "tp-ledger-table",
-    )
+    table = _table([head for head, _ in _LEDGER_COLUMNS], rows, "tp-ledger-table")
     title = "Side-effect ledger" + (f" of thread {thread_id!r}" if thread_id else "")
     return _view("tp-ledger", title, summary, table)
 
@@ -338,13 +302,13 @@ def ledger_html(entries: Sequence[LedgerEntry], *, thread_id: str | None = None)
 # -- takeover ----------------------------------------------------------------------------------
 
 
-def _records(items: Sequence[Mapping[str, Any]], css: str) -> str:
-    """A list of dicts as a table with the union of their keys as columns."""
+def _records(title: str, items: Sequence[Mapping[str, Any]], css: str) -> str:
+    """A heading, then a list of dicts as a table with the union of their keys as columns."""
     if not items:
-        return "<p>none</p>"
+        return f"<h4>{title}</h4><p>none</p>"
     keys = list(dict.fromkeys(k for item in items for k in item))
     rows = [(css, [_code(item.get(k)) for k in keys]) for item in items]
-    return _table(keys, rows, "tp-records")
+    return f"<h4>{title}</h4>" + _table(keys, rows, "tp-records")
 
 
 def takeover_html(request: TakeoverRequest) -> str:
@@ -390,20 +354,20 @@ def takeover_html(request: TakeoverRequest) -> str:
         f"Takeover requested on thread {request.thread_id!r}",
         head,
         drifted,
-        "<h4>Uncertain effects</h4>",
-        _records(request.uncertain_effects, "tp-s-uncertain"),
-        "<h4>Waiting steps</h4>",
-        _records(request.pending, "tp-s-waiting"),
-        "<h4>Committed effects</h4>",
-        _records(request.committed_effects, "tp-s-ok"),
-        "<h4>Done steps</h4>",
-        _records(request.done_steps, ""),
+        _records("Uncertain effects", request.uncertain_effects, "tp-s-uncertain"),
+        _records("Waiting steps", request.pending, "tp-s-waiting"),
+        _records("Committed effects", request.committed_effects, "tp-s-ok"),
+        _records("Done steps", request.done_steps, ""),
         "<h4>Options</h4>",
         options,
     )
 
 
 # -- metrics and threads -----------------------------------------------------------------------
+
+
+def _headline(metric: str, value: str, source: str) -> tuple[str, list[str]]:
+    return "", [metric, escape(value), escape(source)]
 
 
 def metrics_html(metrics: RecoveryMetrics) -> str:
@@ -419,74 +383,35 @@ def metrics_html(metrics: RecoveryMetrics) -> str:
     headline = _table(
         ["metric", "value", "from"],
         [
-            (
-                "",
-                [
-                    "local recovery success rate",
-                    _percent(lr.rate),
-                    escape(
-                        f"{lr.recovered} of {lr.recovered + lr.unrecovered} settled failed steps "
-                        f"recovered ({lr.recovered_automatically} automatically), "
-                        f"{lr.pending} pending"
-                    ),
-                ],
+            _headline(
+                "local recovery success rate",
+                _percent(lr.rate),
+                f"{lr.recovered} of {lr.recovered + lr.unrecovered} settled failed steps "
+                f"recovered ({lr.recovered_automatically} automatically), {lr.pending} pending",
             ),
-            (
-                "",
-                [
-                    "duplicate side-effect rate",
-                    _percent(dup.rate),
-                    escape(
-                        f"{dup.duplicates} of {dup.effects} effects; upper bound "
-                        f"{_percent(dup.upper_rate)}"
-                    ),
-                ],
+            _headline(
+                "duplicate side-effect rate",
+                _percent(dup.rate),
+                f"{dup.duplicates} of {dup.effects} effects; upper bound "
+                f"{_percent(dup.upper_rate)}",
             ),
-            (
-                "",
-                [
-                    "mean time to close after a tool failure",
-                    _seconds(ttc.mean_seconds),
-                    escape(
-                        f"{ttc.samples} closed, max {_seconds(ttc.max_seconds)}, "
-                        f"{ttc.failed} failed, {ttc.open} open"
-                    ),
-                ],
+            _headline(
+                "mean time to close after a tool failure",
+                _seconds(ttc.mean_seconds),
+                f"{ttc.samples} closed, max {_seconds(ttc.max_seconds)}, "
+                f"{ttc.failed} failed, {ttc.open} open",
             ),
-            (
-                "",
-                [
-                    "human takeovers per 100 runs",
-                    escape(per_100),
-                    escape(
-                        f"{tk.takeovers} takeovers over {tk.runs} runs, {tk.answered} answered "
-                        f"(waited {tk.wait_seconds:.1f} s), {tk.pending} pending"
-                    ),
-                ],
+            _headline(
+                "human takeovers per 100 runs",
+                per_100,
+                f"{tk.takeovers} takeovers over {tk.runs} runs, {tk.answered} answered "
+                f"(waited {tk.wait_seconds:.1f} s), {tk.pending} pending",
             ),
         ],
         "tp-metrics-table",
     )
-    run_table = _table(
-        ["total", "running", "waiting_tool", "awaiting_human", "closed", "failed"],
-        [
-            (
-                "",
-                [
-                    str(v)
-                    for v in (
-                        runs.total,
-                        runs.running,
-                        runs.waiting_tool,
-                        runs.awaiting_human,
-                        runs.closed,
-                        runs.failed,
-                    )
-                ],
-            )
-        ],
-        "tp-runs",
-    )
+    counts = ("total", "running", "waiting_tool", "awaiting_human", "closed", "failed")
+    run_table = _table(counts, [("", [str(getattr(runs, c)) for c in counts])], "tp-runs")
     tools = _table(
         ["tool", "calls", "failures by kind", "retries", "degradations", "compensations"],
         [

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
@@ -28,6 +27,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from taskpilots_graph._thread_index import thread_ids as store_thread_ids
 from taskpilots_graph.events import Event, EventKind
+from taskpilots_graph.metric_figures import turn_closes
 from taskpilots_graph.metrics import RecoveryMetrics, recovery_metrics
 from taskpilots_graph.replay import ReplayStep
 from taskpilots_graph.threads import recovery_api
@@ -74,9 +74,8 @@ class _Call:
 
 def _lanes(steps: Sequence[ReplayStep]) -> dict[str, int]:
     names = dict.fromkeys(s.tool for s in steps if s.tool and s.kind is EventKind.TOOL_INVOKED)
-    for s in steps:  # tools met only after a resume (a pre-check, a decision) get a lane too
-        if s.tool:
-            names.setdefault(s.tool, None)
+    # Tools met only after a resume (a pre-check, a decision) get a lane too.
+    names |= dict.fromkeys(s.tool for s in steps if s.tool)
     return {name: i for i, name in enumerate(names)}
 
 
@@ -200,10 +199,9 @@ def plot_timeline(run: _HasSteps, *, title: str | None = None) -> Figure:
         if s.kind in marks and s.tool in lanes:
             gid, marker, colour = marks[s.kind]
             _marker(ax, t[s.index], lanes[str(s.tool)], gid, marker, colour)
-    for s in steps:
         # The moment a crash recovery turns on: the pre-check asked the service about the
         # effect the dead process left unrecorded. Labelled, so it reads without the legend.
-        if s.kind is EventKind.EFFECT_RECONCILED and s.tool in lanes:
+        elif s.kind is EventKind.EFFECT_RECONCILED and s.tool in lanes:
             outcome = str(s.payload.get("outcome") or "")
             colour = _GREEN if outcome == "done" else _ORANGE
             x, y = t[s.index], lanes[str(s.tool)]
@@ -259,19 +257,11 @@ def close_times(events_by_thread: Mapping[str, Sequence[Event]]) -> list[float]:
     The samples behind ``RecoveryMetrics.time_to_close``: turns that ended ``failed`` or
     have not ended are left out; so are superseded events.
     """
-    samples: list[float] = []
-    for events in events_by_thread.values():
-        first: datetime | None = None
-        for event in events:
-            if event.superseded:
-                continue
-            if event.kind in (EventKind.TOOL_FAILED, EventKind.EFFECT_UNCERTAIN):
-                first = first or event.ts
-            elif event.kind is EventKind.AGENT_FINISHED and first is not None:
-                if event.payload.get("status") != "failed":
-                    samples.append(max(0.0, (event.ts - first).total_seconds()))
-                first = None
-    return samples
+    return [
+        seconds
+        for events in events_by_thread.values()
+        for seconds in turn_closes(e for e in events if not e.superseded)[0]
+    ]
 
 
 def batch_close_times(

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,10 +83,7 @@ class LedgerView:
 
     def by_status(self) -> dict[str, int]:
         """Entries per ledger status."""
-        counts: dict[str, int] = {}
-        for entry in self.entries:
-            counts[entry.status.value] = counts.get(entry.status.value, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(e.status.value for e in self.entries).items()))
 
     def __repr__(self) -> str:
         scope = f"thread {self.thread_id!r}" if self.thread_id else "all threads"
@@ -127,21 +124,17 @@ async def atimeline(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> T
     return Timeline(thread_id=thread_id, steps=steps, status=status)
 
 
-def _view(entries: Sequence[LedgerEntry], thread_id: str | None) -> LedgerView:
-    return LedgerView(entries=tuple(entries), thread_id=thread_id)
-
-
 def ledger_view(checkpointer: BaseCheckpointSaver[Any], thread_id: str | None = None) -> LedgerView:
     """Read the side-effect ledger of one thread (or of every thread).
 
     Raises:
         ConfigurationError: If ``checkpointer`` is not a recovery checkpointer.
     """
-    return _view(recovery_api(checkpointer).ledger(thread_id), thread_id)
+    return LedgerView(tuple(recovery_api(checkpointer).ledger(thread_id)), thread_id)
 
 
 async def aledger_view(
     checkpointer: BaseCheckpointSaver[Any], thread_id: str | None = None
 ) -> LedgerView:
     """Async form of :func:`ledger_view`."""
-    return _view(await recovery_api(checkpointer).aledger(thread_id), thread_id)
+    return LedgerView(tuple(await recovery_api(checkpointer).aledger(thread_id)), thread_id)

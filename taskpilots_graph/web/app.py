@@ -195,20 +195,16 @@ class _Inbox:
 
     def _views(self, requests: Sequence[TakeoverRequest]) -> list[TakeoverView]:
         cp = recovery_api(self.checkpointer)
-        views = []
-        for request in requests:
-            events = cp.events(request.thread_id)
-            since = thread_info(cp, request.thread_id).updated_at
-            views.append(
-                takeover_view(
-                    request,
-                    tools=self.tools,
-                    ledger=self._ledger(cp, request),
-                    events=events,
-                    since=since,
-                )
+        return [
+            takeover_view(
+                request,
+                tools=self.tools,
+                events=cp.events(request.thread_id),
+                since=thread_info(cp, request.thread_id).updated_at,
+                ledger=self._ledger(cp, request),
             )
-        return views
+            for request in requests
+        ]
 
     # -- pages -----------------------------------------------------------------------------
 
@@ -324,23 +320,18 @@ class _Inbox:
     ) -> Response:
         """409: the form answers a takeover that was answered already; nothing changes."""
         page = f"/threads/{quote(thread_id, safe='')}"
-        if current:
-            now = current[0]
-            steps = ", ".join(str(p.get("tool")) for p in now.pending) or "a step"
-            return self._error(
-                request,
-                409,
-                f"This form answers a takeover of thread {thread_id!r} that was already "
-                f"answered, so it was not applied. The thread now waits on another takeover "
-                f"(about {steps}): read it before deciding.",
-                (f"{page}#takeover-{now.interrupt_id}", "Open the current takeover"),
-            )
+        answered = f"This form answers a takeover of thread {thread_id!r} that was already answered"
+        if not current:
+            message = f"{answered}, so it was not applied; the thread waits on nobody now."
+            return self._error(request, 409, message, (page, "Open the thread"))
+        now = current[0]
+        steps = ", ".join(str(p.get("tool")) for p in now.pending) or "a step"
         return self._error(
             request,
             409,
-            f"This form answers a takeover of thread {thread_id!r} that was already "
-            "answered, so it was not applied; the thread waits on nobody now.",
-            (page, "Open the thread"),
+            f"{answered}, so it was not applied. The thread now waits on another takeover "
+            f"(about {steps}): read it before deciding.",
+            (f"{page}#takeover-{now.interrupt_id}", "Open the current takeover"),
         )
 
 
@@ -363,10 +354,8 @@ def _decision(form: dict[str, str]) -> Decision:
             fields["args"] = json.loads(args)
         except json.JSONDecodeError as exc:
             raise InvalidDecision(f"the arguments are not valid JSON: {exc.msg}") from exc
-    for name in ("interrupt_id", "tool_call_id", "decided_by", "note"):
-        value = form.get(name, "").strip()
-        if value:
-            fields[name] = value
+    names = ("interrupt_id", "tool_call_id", "decided_by", "note")
+    fields.update({name: value for name in names if (value := form.get(name, "").strip())})
     if "decided_by" not in fields:
         # The log must say who decided; the server's account would name nobody in particular.
         raise InvalidDecision("say who decides: 'decided by' is required")

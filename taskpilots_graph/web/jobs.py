@@ -19,7 +19,7 @@ from taskpilots_graph.decisions import decide
 from taskpilots_graph.errors import StaleDecision, TaskPilotsError, ToolWaiting
 from taskpilots_graph.takeover import Decision
 from taskpilots_graph.threads import recovery_api, thread_info
-from taskpilots_graph.web.view import outcome_of
+from taskpilots_graph.web.view import named_effects, outcome_of
 
 __all__ = ["DecisionJob", "DecisionJobs", "JobStatus"]
 
@@ -92,14 +92,9 @@ class DecisionJobs:
         """The job still carrying out an answer to that takeover, if any (a form sent twice
         before the first answer was applied must not queue a second one)."""
         with self._lock:
-            return next(
-                (
-                    j
-                    for j in self._jobs.values()
-                    if j.interrupt_id == interrupt_id and j.status == "running"
-                ),
-                None,
-            )
+            jobs = list(self._jobs.values())
+        running = [j for j in jobs if j.interrupt_id == interrupt_id and j.status == "running"]
+        return running[0] if running else None
 
     def get(self, job_id: str) -> DecisionJob | None:
         """The job with that id, if this process ran it."""
@@ -137,11 +132,9 @@ class DecisionJobs:
         outcome = outcome_of(info, cp.events(job.thread_id), cp.ledger(job.thread_id))
         words = f"the thread is now {outcome.label}"
         if outcome.not_undone:
-            left = ", ".join(f"{tool} ({key})" for tool, key in outcome.not_undone)
-            words += f"; not undone (no compensator): {left}"
+            words += f"; not undone (no compensator): {named_effects(outcome.not_undone)}"
         if outcome.uncertain:
-            maybe = ", ".join(f"{tool} ({key})" for tool, key in outcome.uncertain)
-            words += f"; may have happened, not undone: {maybe}"
+            words += f"; may have happened, not undone: {named_effects(outcome.uncertain)}"
         last = _last_text(result)
         self._finish(job, "done", words + (f"; last message: {last}" if last else ""))
 

@@ -25,6 +25,7 @@ from langchain_core.tools import BaseTool
 
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, SideEffectSpec
+from taskpilots_graph.recovery_map import effect_class
 from taskpilots_graph.takeover import TakeoverRequest
 from taskpilots_graph.threads import ThreadInfo
 from taskpilots_graph.tools import spec_of
@@ -156,14 +157,6 @@ def verify_hint(tool: BaseTool | None) -> str | None:
     return found.group("how").strip() if found else None
 
 
-def _kind(spec: SideEffectSpec | None) -> str:
-    if spec is None:
-        return "read"
-    if spec.precheck is not None:
-        return "pre-checked"
-    return "idempotent" if spec.idempotent else "may become uncertain"
-
-
 def _precheck_answer(spec: SideEffectSpec | None, key: str | None, events: Sequence[Event]) -> str:
     if spec is None:
         return "none needed: the tool has no side effect"
@@ -201,7 +194,7 @@ def _effect(
         tool=tool,
         key=key,
         args=dict(args),
-        kind=_kind(spec),
+        kind=effect_class(spec),
         status=entry.status.value if entry is not None else "not recorded",
         attempts=entry.attempt if entry is not None else 0,
         precheck=_precheck_answer(spec, key, events),
@@ -210,7 +203,8 @@ def _effect(
     )
 
 
-def _named(pairs: Iterable[tuple[str, str]]) -> str:
+def named_effects(pairs: Iterable[tuple[str, str]]) -> str:
+    """Effects ``(tool, key)`` as ``tool (key), ...``."""
     return ", ".join(f"{tool} ({key})" for tool, key in pairs)
 
 
@@ -260,8 +254,8 @@ def _options(
         f"calls {tool} with your arguments, under a new key",
         f"{TWICE}: if the first call happened, this is a second {tool}" if repeats else None,
     )
-    undone = f"undoes {_named(undo)} (newest first)" if undo else "undoes nothing"
-    left = [f"{_named(stay)} stay(s) done: no undo is declared"] if stay else []
+    undone = f"undoes {named_effects(undo)} (newest first)" if undo else "undoes nothing"
+    left = [f"{named_effects(stay)} stay(s) done: no undo is declared"] if stay else []
     if uncertain and first is not None:
         left.append(f"{tool} ({key}) may have happened and is not undone either")
     words["abandon"] = Option(

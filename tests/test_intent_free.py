@@ -1,0 +1,203 @@
+"""An idempotent effect whose step is already on disk writes no intent: its commit is its
+first ledger write (``engine._protocol.writes_intent``).
+
+Under ``durability="sync"`` the checkpoint holding the model's call is stored before the
+call runs, and it names the call (tool-call id, hence the default key); an idempotent
+service answers a repeated key with the first outcome. The intent would add a durable write
+and tell nothing the resumed run cannot find out by running the call again. The tests look
+from a separate connection while the tool runs, through both agent forms and every entry
+point, then run the same command again; the cases that keep the intent (the default
+``"async"`` durability, a ``key=`` other threads may share) are checked the same way, and a
+SIGKILL inside the effect is resumed in a fresh process. Real SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from langchain.agents import create_agent
+from langchain_core.messages import HumanMessage
+from langchain_core.tools import BaseTool, StructuredTool
+
+import taskpilots_graph as tp
+from taskpilots_graph.events import EventKind
+from taskpilots_graph.ledger import LedgerStatus
+from taskpilots_graph.testing import ScriptedModel
+
+FORMS = ("recovery agent", "middleware")
+ENTRY_POINTS = ("invoke", "stream", "run")
+
+
+def _rows(conn_string: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
+    """One query on a connection of its own (``?`` placeholders): what another process sees."""
+    if conn_string.startswith("postgresql://"):
+        with psycopg.connect(conn_string, autocommit=True) as pg:
+            return pg.execute(statement.replace("?", "%s"), params).fetchall()
+    with closing(sqlite3.connect(conn_string.removeprefix("sqlite:///"))) as lite:
+        return lite.execute(statement, params).fetchall()
+
+
+class Desk:
+    """An idempotent payment desk: a repeated request key gets the first charge back. While
+    a charge runs it notes what another connection sees of the call's ledger entry."""
+
+    def __init__(self, conn_string: str) -> None:
+        self.conn_string = conn_string
+        self.charges: dict[str, str] = {}
+        self.requests: list[str] = []
+        self.on_record: list[list[tuple[Any, ...]]] = []
+
+    def tool(self, *, key: Callable[[dict[str, Any]], str] | None = None) -> BaseTool:
+        def charge(order: str) -> str:
+            """Charge an order."""
+            request_key = tp.current_invocation().key
+            self.on_record.append(
+                _rows(
+                    self.conn_string,
+                    "SELECT status FROM taskpilots_ledger WHERE key = ?",
+                    request_key,
+                )
+            )
+            self.requests.append(request_key)
+            return self.charges.setdefault(request_key, f"charge-{len(self.charges) + 1}")
+
+        made = StructuredTool.from_function(charge)
+        return tp.side_effect(made, idempotent=True, key=key)
+
+
+def _agent(form: str, cp: tp.RecoveryCheckpointer, tool: BaseTool) -> Any:
+    model = ScriptedModel(plan=[("charge", {"order": "o-1"})])
+    if form == "recovery agent":
+        return tp.create_recovery_agent(model, [tool], checkpointer=cp)
+    from taskpilots_graph.middleware import RecoveryMiddleware
+
+    return create_agent(model, [tool], checkpointer=cp, middleware=[RecoveryMiddleware(cp)])
+
+
+def _go(graph: Any, how: str, thread_id: str, **kwargs: Any) -> None:
+    start = {"messages": [HumanMessage("charge order o-1")]}
+    config = {"configurable": {"thread_id": thread_id}}
+    if how == "invoke":
+        graph.invoke(start, config, **kwargs)
+    elif how == "stream":
+        for _ in graph.stream(start, config, **kwargs):
+            pass
+    else:
+        tp.run(graph, thread_id, start, **kwargs)
+
+
+@pytest.mark.parametrize("how", ENTRY_POINTS)
+@pytest.mark.parametrize("form", FORMS)
+def test_under_sync_the_commit_is_the_first_ledger_write(
+    form: str, how: str, cp: tp.RecoveryCheckpointer, conn_string: str
+) -> None:
+    """Nothing is on record while the tool runs; afterwards one committed entry carries
+    the call's ``tool_invoked`` and ``tool_succeeded``. The same command again charges
+    nothing more."""
+    desk = Desk(conn_string)
+    graph = _agent(form, cp, desk.tool())
+    thread_id = f"free-{form.replace(' ', '-')}-{how}"
+
+    _go(graph, how, thread_id, durability="sync")
+
+    assert desk.on_record == [[]]  # no intent before the effect
+    (entry,) = cp.ledger(thread_id)
+    assert (entry.status, entry.result) == (LedgerStatus.COMMITTED, "charge-1")
+    kinds = [e.kind for e in cp.events(thread_id) if e.payload.get("key") == entry.key]
+    assert kinds == [EventKind.TOOL_INVOKED, EventKind.TOOL_SUCCEEDED]
+
+    _go(graph, how, thread_id, durability="sync")  # the same command, run twice
+    assert desk.requests == [entry.key]
+    assert [e.status for e in cp.ledger(thread_id)] == [LedgerStatus.COMMITTED]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_intent_stays_where_it_is_needed(
+    form: str, cp: tp.RecoveryCheckpointer, conn_string: str
+) -> None:
+    """Under the default ``"async"`` durability (the step may not be on disk yet) and for a
+    ``key=`` other threads may share, the intent is on record before the effect runs."""
+    desk = Desk(conn_string)
+    _go(_agent(form, cp, desk.tool()), "invoke", f"async-{form}")
+    shared = Desk(conn_string)
+    tool = shared.tool(key=lambda args: f"charge:{args['order']}")
+    _go(_agent(form, cp, tool), "invoke", f"keyed-{form}", durability="sync")
+    assert desk.on_record == [[("intended",)]]
+    assert shared.on_record == [[("intended",)]]
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from pathlib import Path
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import StructuredTool
+    import taskpilots_graph as tp
+    from taskpilots_graph.testing import ScriptedModel
+
+    conn, desk, action = sys.argv[1:4]
+
+    def charge(order: str) -> str:
+        \"\"\"Charge an order.\"\"\"
+        key = tp.current_invocation().key
+        path = Path(desk)
+        charges = json.loads(path.read_text()) if path.exists() else {}
+        first = key not in charges
+        charges.setdefault(key, f"charge-{len(charges) + 1}")
+        path.write_text(json.dumps(charges))
+        if first and action == "start":
+            os.kill(os.getpid(), signal.SIGKILL)  # after the charge, before its commit
+        return charges[key]
+
+    tool = tp.side_effect(StructuredTool.from_function(charge), idempotent=True)
+    with tp.RecoveryCheckpointer.from_conn_string(conn) as cp:
+        cp.setup()
+        graph = tp.create_recovery_agent(
+            ScriptedModel(plan=[("charge", {"order": "o-1"})]), [tool], checkpointer=cp
+        )
+        if action == "start":
+            start = {"messages": [HumanMessage("charge order o-1")]}
+            tp.run(graph, "t", start, durability="sync")
+        else:
+            tp.resume(graph, "t", durability="sync")
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_after_the_effect_is_settled_by_running_it_again(
+    sqlite_path: str, tmp_path: Path
+) -> None:
+    """Killed after the desk charged, before anything of the call was on record: the
+    resumed run asks again under the same key and gets the same charge; one charge, one
+    committed entry holding it."""
+    conn, desk = f"sqlite:///{sqlite_path}", tmp_path / "desk.json"
+
+    def child(action: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-c", _CHILD, conn, str(desk), action]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+    started = child("start")
+    assert started.returncode == -signal.SIGKILL, started.stderr[-2000:]
+    with tp.RecoveryCheckpointer.from_conn_string(conn) as cp:
+        assert cp.ledger("t") == []
+    resumed = child("resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    charges = json.loads(desk.read_text())
+    assert list(charges.values()) == ["charge-1"]
+    with tp.RecoveryCheckpointer.from_conn_string(conn) as cp:
+        (entry,) = cp.ledger("t")
+        assert (entry.status, entry.result) == (LedgerStatus.COMMITTED, "charge-1")
+        assert entry.key in charges
