@@ -10,7 +10,9 @@ no-op service, and the run ends with a final answer. Only framework cost is meas
   on ``RecoveryCheckpointer`` (intent and commit in the ledger, events in the log; the
   commit of an idempotent tool rides the transaction of its task's ``put_writes``).
 
-Every run uses ``durability="sync"`` and a fresh thread; runs are interleaved in ABBA order
+Every run uses ``durability="sync"`` (``--durability async`` for LangGraph's default: then a
+side effect's intent carries the model's decision, since the step's checkpoint may not be on
+disk before the call runs) and a fresh thread; runs are interleaved in ABBA order
 after one warm-up each, and the figure is the median over ``--repeats`` of run time divided
 by steps (so it includes the per-run start and final answer, amortised).
 
@@ -56,7 +58,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -146,6 +148,9 @@ def build_ours(cp: tp.RecoveryCheckpointer) -> Any:
     return tp.create_recovery_agent(StepModel(), [tool], checkpointer=cp)
 
 
+DURABILITY: Literal["sync", "async"] = "sync"  # set from --durability
+
+
 def run_once(graph: Any, steps: int, thread_id: str | None = None) -> float:
     """Seconds of one full run of ``steps`` side-effecting steps on a fresh thread."""
     config = {
@@ -155,7 +160,7 @@ def run_once(graph: Any, steps: int, thread_id: str | None = None) -> float:
     gc.collect()
     start = time.perf_counter()
     result = graph.invoke(
-        {"messages": [HumanMessage(json.dumps({"steps": steps}))]}, config, durability="sync"
+        {"messages": [HumanMessage(json.dumps({"steps": steps}))]}, config, durability=DURABILITY
     )
     elapsed = time.perf_counter() - start
     answer = str(result["messages"][-1].content)
@@ -516,7 +521,10 @@ def main(argv: list[str] | None = None) -> None:
         choices=("memory", "sqlite", "postgres"),
         help="measure only these backends (repeatable; default: all three)",
     )
+    parser.add_argument("--durability", choices=("sync", "async"), default="sync")
     args = parser.parse_args(argv)
+    global DURABILITY
+    DURABILITY = args.durability
     args.steps = max(1, args.steps)
     args.repeats = max(1, args.repeats)
     backends = set(args.backend or ("memory", "sqlite", "postgres"))
@@ -534,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"ledger overhead: {args.steps} side-effecting steps per run, {args.repeats} runs per "
-        f'side, durability="sync"',
+        f'side, durability="{DURABILITY}"',
         flush=True,
     )
     with ExitStack() as stack:
