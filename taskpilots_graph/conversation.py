@@ -76,12 +76,7 @@ def grew_from(
     known: Sequence[BaseMessage], messages: Sequence[BaseMessage], start: int = 0
 ) -> bool:
     """Whether ``messages`` from position ``start`` on begins with exactly the message
-    objects of ``known``.
-
-    ``add_messages`` keeps earlier messages as the same objects, so a check that remembers
-    the conversation it last saw needs to look at the new tail only (a C-level identity
-    pass, no message is read).
-    """
+    objects of ``known`` (an identity pass in C, no message is read; see ``_valid_prefix``)."""
     return len(known) <= len(messages) - start and all(
         map(is_, known, islice(messages, start, None))
     )

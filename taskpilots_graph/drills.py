@@ -15,16 +15,8 @@ one of its tools:
 * **crash**: a child process is SIGKILLed right after the first side effect ran, and a
   fresh process resumes the thread by id: the effect must not run a second time.
 
-**The drills run the graph's tools.** A factory that builds the graph on your real tools
-would open real tickets, send real e-mails and issue real refunds, a dozen times over. So
-:func:`run_drills` accepts only a factory marked with :func:`drill_graph` (its author
-declares that it builds the graph on test doubles), or ``real_effects=True`` (drill real
-services on purpose: a staging system)::
-
-    @drill_graph
-    def make_drill_graph(checkpointer):
-        return tp.create_recovery_agent(model, fake_tools, checkpointer=checkpointer)
-
+The drills run the graph's tools many times, so only a factory marked with
+:func:`drill_graph` (built on test doubles) is accepted, unless ``real_effects=True``.
 Faults come from :mod:`taskpilots_graph.testing` and a virtual clock (backoffs take no
 time). Every tool is wrapped to journal each completed execution to a SQLite file of its
 own, outside the agent's database and process, so a crash cannot hide a repeat. An
@@ -48,6 +40,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -322,8 +315,7 @@ def _baseline(
     graph = ref.build(cp)
     tools = graph_tools(graph)
     if effect_tools:
-        unknown = sorted(set(effect_tools) - set(tools))
-        if unknown:
+        if unknown := sorted(set(effect_tools) - set(tools)):
             raise ConfigurationError(f"the graph has no tool(s) {', '.join(unknown)}")
         effects = frozenset(effect_tools)
     else:
@@ -495,6 +487,7 @@ def run_drills(
             notify("baseline")
             base = _baseline(ref, cp, journal, input_, effect_tools, run)
             results = []
+            down = partial(ConnectionRefusedError, "drill: down")
             plan: list[tuple[str, str | None, Wrap, tuple[str, ...]]] = [
                 (
                     "transient",
@@ -505,17 +498,13 @@ def run_drills(
                 (
                     "outage_after_effect",
                     _after_first_effect(base),
-                    lambda t: testing.failing(
-                        t, times=3, exc=lambda: ConnectionRefusedError("drill: down")
-                    ),
+                    lambda t: testing.failing(t, times=3, exc=down),
                     ("closed", "awaiting_human", "failed"),
                 ),
                 (
                     "long_outage",
                     _first_pure(base),
-                    lambda t: testing.down_for(
-                        t, 10.0**9, exc=lambda: ConnectionRefusedError("drill: down")
-                    ),
+                    lambda t: testing.down_for(t, 10.0**9, exc=down),
                     ("closed", "awaiting_human", "failed"),
                 ),
             ]

@@ -10,15 +10,10 @@ wakes up believing it still holds the name while a new holder works. So every ac
 gets a *fencing token* that is strictly greater than every token handed out for that name
 before; a resource that remembers the highest token it has seen can refuse the late writer.
 
-Everything here is pure: validation, names, the acquire / renew / release decisions for
-stores that read a row and write it back (memory, SQLite), :class:`HoldStatus`, the state
-machine a holder's heartbeat drives, and which thread lease the current run holds. The
-backends and the sync / async holders of :mod:`taskpilots_graph.locks` are thin drivers
-around it.
-
-This module sits below both the checkpointers (whose stores keep the leases of the embedded
-backends and which ask which thread the current run holds) and the lock package (whose
-backends use those stores), so neither of the two imports the other for these names.
+Everything here is pure (validation, names, the decisions of read-then-write stores, a
+holder's :class:`HoldStatus`, the current run's thread lease); the backends and holders of
+:mod:`taskpilots_graph.locks` drive it. It sits below both the checkpointers and the locks,
+so neither imports the other for these names.
 """
 
 from __future__ import annotations

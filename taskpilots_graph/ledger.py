@@ -25,16 +25,11 @@ request may have been sent    ``NotDone`` → execute with the same key; ``Unkno
 uncertain                     stop with :class:`SideEffectUncertain` until a person decides
 ============================  ==============================================================
 
-"Request not sent" is claimed only when the request cannot have left: an exception raised
-from inside a side-effecting tool's body counts as *possibly sent* (a client that fails to
-parse the reply, with ``JSONDecodeError``, ``KeyError``, ``TypeError`` or a pydantic
-``ValidationError``, does so *after* the service acted), unless
-
-* the exception says so itself, with a boolean ``maybe_sent`` attribute;
-* its type is declared with ``side_effect(not_sent=(SomeError, ...))`` (errors the tool
-  raises before it sends anything, e.g. its own input checks);
-* it is a connection error raised before any connection existed (``ConnectionRefusedError``,
-  ``socket.gaierror``).
+"Request not sent" is claimed only when the request cannot have left (README, "What counts
+as not sent"): an exception raised from a side-effecting tool's body counts as *possibly
+sent* unless its boolean ``maybe_sent`` attribute says otherwise, its type is declared with
+``side_effect(not_sent=...)``, or it is a connection error raised before any connection
+existed (``ConnectionRefusedError``, ``socket.gaierror``).
 
 A pre-check that raises, or runs longer than ``side_effect(precheck_timeout=...)`` (30 s by
 default), answers ``Unknown``; one that returns anything else than ``Done``, ``NotDone`` or
@@ -43,19 +38,12 @@ marked ``uncertain`` even for an idempotent tool. A result that cannot be serial
 (a cyclic structure, an object whose ``str()`` raises) is committed as a placeholder text that
 says so, flagged ``extra["result_unserialisable"]`` (and ``result_reduced``).
 
-Arguments the tool's schema rejects were never handed to the body: not sent. Pure tools
-(no ``side_effect``) have no ledger entry and are retried as their policies say.
-
 Guarantee: *effectively once* for tools with a pre-check or an idempotent service; *at most
 once, then a person decides* for the rest.
 
-Undoing a committed effect is a side effect too and follows the same rules under its own
-key, ``undo:<effect key>`` (tool ``undo:<tool>``): intent, compensator, commit, then the
-effect's entry becomes ``compensated``; an undo of unknown outcome asks
-``side_effect(compensate_precheck=...)``, and without one (or on ``Unknown``) it is
-``uncertain`` and a person decides (:class:`CompensationUncertain`). See
-:mod:`taskpilots_graph.nodes.compensate`. This module is I/O free; the stores persist entries
-and :mod:`taskpilots_graph.nodes.executor` drives the protocol.
+Undoing a committed effect follows the same rules under its own key, ``undo:<effect key>``
+(README, "Undoing an effect"; :mod:`taskpilots_graph.nodes.compensate`). This module is I/O
+free; the stores persist entries and :mod:`taskpilots_graph.nodes.executor` drives the protocol.
 """
 
 from __future__ import annotations

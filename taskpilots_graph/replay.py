@@ -170,8 +170,7 @@ def _model_step(p: Mapping[str, Any]) -> str:
         return f"decision replayed from the record ({p.get('tool_calls', 0)} tool calls); not asked"
     if "acknowledgement" in p:
         return f"restates the state: {_short(p['acknowledgement'])}"
-    calls = p.get("tool_calls") or []
-    if calls:
+    if calls := p.get("tool_calls"):
         return "decides: " + ", ".join(_call(c.get("name"), c.get("args")) for c in calls)
     return f"answers: {_short(p.get('content', ''))}"
 

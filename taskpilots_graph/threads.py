@@ -47,6 +47,7 @@ from typing import Any, Literal, cast, get_args
 from langgraph.checkpoint.base import BaseCheckpointSaver, CheckpointTuple
 
 from taskpilots_graph import _thread_index
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.base import skipping_corrupt_events
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError, ThreadNotFound
@@ -413,23 +414,22 @@ def events_for_listing(cp: RecoveryAPI, thread_id: str) -> tuple[list[Event], tu
     reported (and logged). Where the skip cannot reach the store (sync calls on an async
     checkpointer) the thread's log is left out whole, reported the same way.
     """
-    with skipping_corrupt_events() as skipped:
-        try:
-            events = cp.events(thread_id)
-        except CorruptRecordError as exc:
-            if exc.table != _EVENTS_TABLE:
-                raise
-            events, skipped = [], [exc]
-    return events, _reported(thread_id, skipped)
+    return run_steps(_events_for_listing(cp, thread_id))
 
 
 async def aevents_for_listing(
     cp: RecoveryAPI, thread_id: str
 ) -> tuple[list[Event], tuple[str, ...]]:
     """Async form of :func:`events_for_listing`."""
+    return await arun_steps(_events_for_listing(cp, thread_id))
+
+
+def _events_for_listing(
+    cp: RecoveryAPI, thread_id: str
+) -> Steps[tuple[list[Event], tuple[str, ...]]]:
     with skipping_corrupt_events() as skipped:
         try:
-            events = await cp.aevents(thread_id)
+            events = yield io(cp, "events", thread_id)
         except CorruptRecordError as exc:
             if exc.table != _EVENTS_TABLE:
                 raise
@@ -479,35 +479,30 @@ def list_threads(
     Raises:
         ThreadNotFound: If a named thread has neither a checkpoint nor an event.
     """
-    cp = recovery_api(checkpointer)
-    if thread_ids is not None:
-        ids = list(thread_ids)
-    else:
-        ledger = cp.ledger(None)
-        ids = [*_thread_index.thread_ids(checkpointer), *(e.thread_id for e in ledger)]
-    infos = []
-    for thread_id in sorted(dict.fromkeys(ids)):
-        found = cp.get_tuple(root_config(thread_id))
-        events, corrupt = events_for_listing(cp, thread_id)
-        infos.append(listed_thread_info(thread_id, found, events, cp.ledger(thread_id), corrupt))
-    return infos
+    return run_steps(_list_threads(checkpointer, thread_ids))
 
 
 async def alist_threads(
     checkpointer: BaseCheckpointSaver[Any], *, thread_ids: Sequence[str] | None = None
 ) -> list[ThreadInfo]:
     """Async form of :func:`list_threads`."""
+    return await arun_steps(_list_threads(checkpointer, thread_ids))
+
+
+def _list_threads(
+    checkpointer: BaseCheckpointSaver[Any], thread_ids: Sequence[str] | None
+) -> Steps[list[ThreadInfo]]:
     cp = recovery_api(checkpointer)
     if thread_ids is not None:
         ids = list(thread_ids)
     else:
-        ledger = await cp.aledger(None)
-        ids = [*await _thread_index.athread_ids(checkpointer), *(e.thread_id for e in ledger)]
+        ledger = yield io(cp, "ledger", None)
+        indexed = yield io(_thread_index, "thread_ids", checkpointer)
+        ids = [*indexed, *(e.thread_id for e in ledger)]
     infos = []
     for thread_id in sorted(dict.fromkeys(ids)):
-        found = await cp.aget_tuple(root_config(thread_id))
-        events, corrupt = await aevents_for_listing(cp, thread_id)
-        infos.append(
-            listed_thread_info(thread_id, found, events, await cp.aledger(thread_id), corrupt)
-        )
+        found = yield io(cp, "get_tuple", root_config(thread_id))
+        events, corrupt = yield from _events_for_listing(cp, thread_id)
+        ledger = yield io(cp, "ledger", thread_id)
+        infos.append(listed_thread_info(thread_id, found, events, ledger, corrupt))
     return infos

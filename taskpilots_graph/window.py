@@ -1,13 +1,10 @@
 """The memory window: what the model sees of its conversation (I/O free).
 
-By default the model sees its whole conversation, every tool call and every answer, so a
-model that decides from its messages knows what it has already done. A
-:class:`MemoryWindow` is an opt-in *context budget* in tokens, triggered like langchain's
-``SummarizationMiddleware``: while the model's input fits in ``max_tokens`` nothing changes;
-above it, the oldest model turns (a model message with its tool calls and their answers,
-always together) are folded into lines of the system message that name each call's tool,
-arguments, outcome and ledger key, until the input fits again. Folding is deterministic and
-calls no model, so a replayed step sees the same input.
+By default the model sees its whole conversation. A :class:`MemoryWindow` is an opt-in
+*context budget* in tokens: above it, the oldest model turns (a model message with its tool
+calls and their answers, always together) are folded into lines of the system message (the
+README's "What the model sees"). Folding is deterministic and calls no model, so a replayed
+step sees the same input.
 
 Folding is a view, never a storage trick: the state and its checkpoints keep every message,
 so the step budget, the resume prompt and every later model call work from the whole run.
@@ -28,12 +25,7 @@ from functools import partial
 from typing import Any, TypedDict
 
 from langchain_core.language_models import BaseLanguageModel, LanguageModelInput
-from langchain_core.messages import (
-    AIMessage,
-    BaseMessage,
-    HumanMessage,
-    SystemMessage,
-)
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.messages.utils import count_tokens_approximately
 from langchain_core.runnables import Runnable, RunnableBinding
 
@@ -263,9 +255,7 @@ def model_token_counter(model: Any, tools: Sequence[Any] = ()) -> TokenCounter:
         else 0
     )
     approximate = partial(
-        count_tokens_approximately,
-        chars_per_token=chars_per_token,
-        use_usage_metadata_scaling=True,
+        count_tokens_approximately, chars_per_token=chars_per_token, use_usage_metadata_scaling=True
     )
     return lambda messages: approximate(messages) + schemas
 

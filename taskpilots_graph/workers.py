@@ -16,9 +16,8 @@ in the same PostgreSQL database as the runs; nothing here is a home-made queue:
   the thread at most once: the input carries a marker recorded in the checkpoint metadata,
   so a retried job finds it and resumes instead of sending the input twice.
 
-Already running Celery, arq or another queue? Call :func:`taskpilots_graph.resume` (or
-:func:`taskpilots_graph.supervisor.recover`) from your own task, with the graph built with a
-lease backend; lock the task on the thread id if your queue can.
+Another queue (Celery, arq)? Call :func:`taskpilots_graph.resume` from your own task (see the
+README), and lock the task on the thread id if your queue can.
 """
 
 from __future__ import annotations
@@ -173,10 +172,7 @@ async def aenqueue(app: procrastinate.App, graph_ref: str, thread_id: str, input
 
 
 def enqueue_resume(
-    app: procrastinate.App,
-    graph_ref: str,
-    thread_id: str,
-    attribution: Attribution | None = None,
+    app: procrastinate.App, graph_ref: str, thread_id: str, attribution: Attribution | None = None
 ) -> int | None:
     """Queue a resume of ``thread_id``, unless one is queued already.
 
@@ -193,10 +189,7 @@ def enqueue_resume(
 
 
 async def aenqueue_resume(
-    app: procrastinate.App,
-    graph_ref: str,
-    thread_id: str,
-    attribution: Attribution | None = None,
+    app: procrastinate.App, graph_ref: str, thread_id: str, attribution: Attribution | None = None
 ) -> int | None:
     """Async form of :func:`enqueue_resume`."""
     why = attribution.payload() if attribution is not None else None

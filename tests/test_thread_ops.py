@@ -642,3 +642,14 @@ def test_delete_for_runs_on_postgres_frees_unreferenced_blobs(postgres_url: str)
         assert rows("t") == (0, 0)
         assert rows("other") == kept
         assert graph.get_state(config("other")).values["messages"]
+
+
+def test_a_deleted_thread_forgets_its_decisions_for_good(tcp: RecoveryCheckpointer) -> None:
+    """After ``delete_thread`` the thread's recorded model decisions are gone, and forgetting
+    them again (a rewind of a new run under the same id) finds nothing, on every store."""
+    thread_id = f"del-{uuid.uuid4().hex[:8]}"
+    tcp.record_decision(thread_id, "", "digest-1", "{}")
+    assert tcp.decision(thread_id, "", "digest-1") is not None
+    tcp.delete_thread(thread_id)
+    assert tcp.decision(thread_id, "", "digest-1") is None
+    assert tcp.forget_decisions(thread_id, since=0.0) == 0

@@ -459,11 +459,6 @@ class PooledPostgresSaver(PostgresSaver):
         _retried(partial(super().put_writes, config, writes, task_id, task_path))
 
 
-@asynccontextmanager
-async def _anull() -> AsyncIterator[None]:
-    yield None
-
-
 class PooledAsyncPostgresSaver(AsyncPostgresSaver):
     """``AsyncPostgresSaver`` without its per-instance lock when it draws from a pool.
 
@@ -501,19 +496,12 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
                 yield cur
             return
         async with self.conn.connection() as conn:
-            if pipeline and self.supports_pipeline:
-                async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as cur:
-                    yield cur
-            elif pipeline:
+            unit: AbstractAsyncContextManager[Any] = nullcontext()
+            if pipeline:
                 # Without pipeline support, the statements of one call still form one unit.
-                async with (
-                    conn.transaction(),
-                    conn.cursor(binary=True, row_factory=dict_row) as cur,
-                ):
-                    yield cur
-            else:
-                async with conn.cursor(binary=True, row_factory=dict_row) as cur:
-                    yield cur
+                unit = conn.pipeline() if self.supports_pipeline else conn.transaction()
+            async with unit, conn.cursor(binary=True, row_factory=dict_row) as cur:
+                yield cur
 
     @asynccontextmanager
     async def _riding_cursor(
@@ -523,7 +511,7 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
         assert ride.awrite is not None
         async with pool.connection() as conn:
             pipe: AbstractAsyncContextManager[Any] = (
-                conn.pipeline() if self.supports_pipeline else _anull()
+                conn.pipeline() if self.supports_pipeline else nullcontext()
             )
             async with (
                 pipe,

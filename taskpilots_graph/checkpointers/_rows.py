@@ -145,12 +145,10 @@ def ledger_write_sql(
     dialect: Dialect, entry: LedgerEntry, expect: tuple[LedgerStatus, int] | None
 ) -> tuple[str, dict[str, Any]]:
     """The insert (``expect=None``) or compare-and-set update for ``entry``, with params."""
-    if expect is None:
-        return LEDGER[dialect]["insert"], entry_params(entry)
-    status, attempt = expect
     params = entry_params(entry)
-    params["expect_status"] = status.value
-    params["expect_attempt"] = attempt
+    if expect is None:
+        return LEDGER[dialect]["insert"], params
+    params["expect_status"], params["expect_attempt"] = expect[0].value, expect[1]
     return LEDGER[dialect]["update"], params
 
 

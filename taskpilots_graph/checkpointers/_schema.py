@@ -7,6 +7,7 @@ is a new entry at the end.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Final, Literal
 
 __all__ = [
@@ -208,10 +209,9 @@ MIGRATIONS: Final[dict[Dialect, tuple[str, ...]]] = {
 SCHEMA_VERSION: Final = len(MIGRATIONS["sqlite"])
 assert len(MIGRATIONS["postgres"]) == SCHEMA_VERSION, "dialects must have the same migrations"
 
-CREATE_MIGRATIONS_TABLE: Final[dict[Dialect, str]] = {
-    "sqlite": f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (v INTEGER PRIMARY KEY)",
-    "postgres": f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (v INTEGER PRIMARY KEY)",
-}
+CREATE_MIGRATIONS_TABLE: Final[dict[Dialect, str]] = dict.fromkeys(
+    ("sqlite", "postgres"), f"CREATE TABLE IF NOT EXISTS {MIGRATIONS_TABLE} (v INTEGER PRIMARY KEY)"
+)
 SELECT_VERSION: Final = f"SELECT COALESCE(MAX(v), 0) AS v FROM {MIGRATIONS_TABLE}"
 INSERT_VERSION: Final[dict[Dialect, str]] = {
     "sqlite": f"INSERT INTO {MIGRATIONS_TABLE} (v) VALUES (?)",
@@ -296,20 +296,16 @@ _LEDGER_COLUMNS = (
 LEDGER_FIELDS: Final = tuple(c.strip() for c in _LEDGER_COLUMNS.split(","))
 
 
-def _placeholders(dialect: Dialect, names: tuple[str, ...]) -> str:
-    if dialect == "sqlite":
-        return ", ".join(f":{n}" for n in names)
-    return ", ".join(f"%({n})s" for n in names)
-
-
 def _param(dialect: Dialect, name: str) -> str:
     return f":{name}" if dialect == "sqlite" else f"%({name})s"
 
 
-def _ledger_sql(dialect: Dialect) -> dict[str, str]:
-    def p(name: str) -> str:
-        return _param(dialect, name)
+def _placeholders(dialect: Dialect, names: tuple[str, ...]) -> str:
+    return ", ".join(_param(dialect, n) for n in names)
 
+
+def _ledger_sql(dialect: Dialect) -> dict[str, str]:
+    p = partial(_param, dialect)
     mutable = ("status", "attempt", "result", "proof", "error", "lock", "extra", "updated_at")
     return {
         # Insert only if no entry holds the key: the "intend" of a first execution.
@@ -356,27 +352,17 @@ def _ledger_sql(dialect: Dialect) -> dict[str, str]:
 
 LEDGER: Final[dict[Dialect, dict[str, str]]] = {d: _ledger_sql(d) for d in ("sqlite", "postgres")}
 
-# Statements that remove everything the recovery store holds for one thread.
+
+def _delete_thread(param: str, *tables: str) -> tuple[str, ...]:
+    return tuple(f"DELETE FROM taskpilots_{table} WHERE thread_id = {param}" for table in tables)
+
+
+# Statements that remove everything the recovery store holds for one thread (PostgreSQL's
+# event counter included).
+_THREAD_TABLES = ("ledger", "decisions", "artifacts", "message_refs", "message_seqs", "messages")
 DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
-    "sqlite": (
-        "DELETE FROM taskpilots_events WHERE thread_id = ?",
-        "DELETE FROM taskpilots_ledger WHERE thread_id = ?",
-        "DELETE FROM taskpilots_decisions WHERE thread_id = ?",
-        "DELETE FROM taskpilots_artifacts WHERE thread_id = ?",
-        "DELETE FROM taskpilots_message_refs WHERE thread_id = ?",
-        "DELETE FROM taskpilots_message_seqs WHERE thread_id = ?",
-        "DELETE FROM taskpilots_messages WHERE thread_id = ?",
-    ),
-    "postgres": (
-        "DELETE FROM taskpilots_events WHERE thread_id = %s",
-        "DELETE FROM taskpilots_event_seq WHERE thread_id = %s",
-        "DELETE FROM taskpilots_ledger WHERE thread_id = %s",
-        "DELETE FROM taskpilots_decisions WHERE thread_id = %s",
-        "DELETE FROM taskpilots_artifacts WHERE thread_id = %s",
-        "DELETE FROM taskpilots_message_refs WHERE thread_id = %s",
-        "DELETE FROM taskpilots_message_seqs WHERE thread_id = %s",
-        "DELETE FROM taskpilots_messages WHERE thread_id = %s",
-    ),
+    "sqlite": _delete_thread("?", "events", *_THREAD_TABLES),
+    "postgres": _delete_thread("%s", "events", "event_seq", *_THREAD_TABLES),
 }
 
 # Event compaction rewrites the payload of an existing event in place; seq, kind, ts and the
@@ -389,9 +375,7 @@ COMPACT_EVENT: Final[dict[Dialect, str]] = {
 
 
 def _artifact_sql(dialect: Dialect) -> dict[str, str]:
-    def p(name: str) -> str:
-        return _param(dialect, name)
-
+    p = partial(_param, dialect)
     # Bytes go over the wire in binary (%b) on PostgreSQL: the default text format would
     # send a 10 MB payload as 20 MB of hex.
     payload = ":payload" if dialect == "sqlite" else "%(payload)b"

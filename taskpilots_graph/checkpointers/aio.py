@@ -103,23 +103,9 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         artifacts: ArtifactStore | None = None,
         connect_timeout: float | None = None,
     ) -> AsyncIterator[Self]:
-        """Open an async checkpointer on ``":memory:"``, a SQLite file or a PostgreSQL URL.
-
-        Args:
-            conn_string: ``":memory:"``, ``"sqlite:///path/runs.db"`` (or a plain path), or
-                ``"postgresql://user@host:port/db"``.
-            pool_size: Maximum connections of the PostgreSQL pool.
-            artifacts: Where artifacts go (e.g. ``FileArtifactStore(path)``); the same
-                database when omitted.
-            connect_timeout: Longest wait, in seconds, to open a PostgreSQL connection
-                (5 s when omitted; a ``connect_timeout`` in the URL wins). An unreachable
-                server, unknown database or role raises ``StorageUnavailable`` at once.
-
-        Raises:
-            StorageUnavailable: PostgreSQL cannot be reached or refuses the session.
-
-        Yields:
-            A ready checkpointer; await :meth:`setup` once per database.
+        """Async form of :meth:`RecoveryCheckpointer.from_conn_string
+        <taskpilots_graph.checkpointers.RecoveryCheckpointer.from_conn_string>`: the same
+        arguments, errors and read-only SQLite handling; await :meth:`setup` once per database.
         """
         target = parse_conn_string(conn_string)
         if target.backend == "memory":
@@ -127,9 +113,7 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         elif target.backend == "sqlite":
             import aiosqlite
 
-            # WAL is a property of the file: open_sqlite switches it once, with retries, on
-            # a short-lived sync connection before the async saver opens it (a read-only
-            # file opens read-only).
+            # As in the sync twin; WAL is switched on a short-lived sync connection first.
             database, uri = open_sqlite(target.address)
             with mapped_errors("open"):
                 conn = await aiosqlite.connect(database, uri=uri, timeout=SQLITE_BUSY_TIMEOUT_S)

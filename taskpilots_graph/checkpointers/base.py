@@ -1,12 +1,6 @@
-"""Pieces shared by the sync and async recovery checkpointers (I/O free).
-
-A recovery checkpointer is two things behind one object: a LangGraph saver that keeps the
-graph state (used unchanged) and a *recovery store* that keeps the event log (and, later, the
-ledger, leases and artifacts) in the same database. This module defines the store protocols,
-the parsing of connection strings and the row handling that every backend shares.
-
-Every recovery store is also an :class:`~taskpilots_graph.checkpointers.artifacts.ArtifactStore`
-(artifacts in the same database by default) and can compact its event log in place.
+"""Pieces shared by the sync and async recovery checkpointers (I/O free): the recovery store
+protocols (a store also keeps artifacts, :mod:`.artifacts`, and compacts its event log in
+place), connection-string parsing, SQLite error mapping and event-row decoding.
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
@@ -101,24 +95,18 @@ def sqlite_error(exc: sqlite3.Error, operation: str) -> StorageError | None:
         return None
     primary = code & 0xFF  # extended codes (SQLITE_BUSY_SNAPSHOT, ...) keep the primary
     reason = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
+    where = {"backend": "sqlite", "operation": operation}
     if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return StorageBusy(
             f"{reason}: another connection held the file past the busy timeout; nothing "
             "of this operation was written, retry later",
-            backend="sqlite",
-            operation=operation,
+            **where,
         )
     if primary == sqlite3.SQLITE_READONLY:
-        return StorageReadOnly(
-            f"{reason}: the file is open read-only (inspection only)",
-            backend="sqlite",
-            operation=operation,
-        )
+        return StorageReadOnly(f"{reason}: the file is open read-only (inspection only)", **where)
     if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
         return StorageUnavailable(
-            f"{reason}: the file is not a SQLite database, or it is damaged",
-            backend="sqlite",
-            operation=operation,
+            f"{reason}: the file is not a SQLite database, or it is damaged", **where
         )
     if primary in (
         sqlite3.SQLITE_CANTOPEN,
@@ -127,7 +115,7 @@ def sqlite_error(exc: sqlite3.Error, operation: str) -> StorageError | None:
         sqlite3.SQLITE_PERM,
         sqlite3.SQLITE_AUTH,
     ):
-        return StorageUnavailable(reason, backend="sqlite", operation=operation)
+        return StorageUnavailable(reason, **where)
     return None
 
 
@@ -215,13 +203,7 @@ class DecisionRecord:
 
     def params(self) -> dict[str, Any]:
         """Parameters of the decision insert (``LEDGER["decision_put"]``)."""
-        return {
-            "thread_id": self.thread_id,
-            "checkpoint_ns": self.checkpoint_ns,
-            "input_digest": self.input_digest,
-            "message": self.message,
-            "created_at": self.created_at,
-        }
+        return asdict(self)
 
 
 PendingRecord = EventRecord | DecisionRecord
@@ -270,6 +252,9 @@ def skipping_corrupt_events() -> Iterator[list[CorruptRecordError]]:
         _SKIPPED.reset(token)
 
 
+_EVENT_COLUMNS = ("thread_id", "seq", "kind", "ts", "checkpoint_ns", "checkpoint_id", "payload")
+
+
 def rows_to_events(rows: Iterable[Sequence[Any]]) -> list[Event]:
     """Decode rows selected in the column order of ``SELECT_EVENTS``.
 
@@ -281,15 +266,7 @@ def rows_to_events(rows: Iterable[Sequence[Any]]) -> list[Event]:
     events = []
     for row in rows:
         try:
-            event = event_from_row(
-                thread_id=row[0],
-                seq=row[1],
-                kind=row[2],
-                ts=row[3],
-                checkpoint_ns=row[4],
-                checkpoint_id=row[5],
-                payload=row[6],
-            )
+            event = event_from_row(**dict(zip(_EVENT_COLUMNS, row, strict=False)))
         except CorruptRecordError as exc:
             if skipped is None:
                 raise
@@ -303,10 +280,8 @@ class RecoveryStore(Protocol):
     """Synchronous storage of the recovery data that lives beside the checkpoints."""
 
     def setup(self, inner_setup: Callable[[], None] | None = None) -> None:
-        """Run the saver's ``inner_setup``, then create or migrate the store's tables.
-
-        Idempotent, and safe when several processes call it at once.
-        """
+        """Run the saver's ``inner_setup``, then create or migrate the store's tables;
+        idempotent, and safe when several processes call it at once."""
 
     def append_events(self, records: Sequence[PendingRecord]) -> list[Event]:
         """Append events and record decisions (the first record for an input wins) in one

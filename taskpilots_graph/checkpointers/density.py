@@ -32,11 +32,7 @@ from typing import Any, Literal, get_args
 
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.base import (
-    ChannelVersions,
-    Checkpoint,
-    CheckpointMetadata,
-)
+from langgraph.checkpoint.base import ChannelVersions, Checkpoint, CheckpointMetadata
 
 from taskpilots_graph.errors import ConfigurationError
 
@@ -121,9 +117,7 @@ class _Held:
     versions: dict[str, Any]
     writes: list[tuple[RunnableConfig, Sequence[tuple[str, Any]], str, str]]
 
-    def put_args(
-        self,
-    ) -> tuple[RunnableConfig, Checkpoint, CheckpointMetadata, ChannelVersions]:
+    def put_args(self) -> tuple[RunnableConfig, Checkpoint, CheckpointMetadata, ChannelVersions]:
         return self.config, self.checkpoint, self.metadata, _current(self.checkpoint, self.versions)
 
 

@@ -63,10 +63,9 @@ class MemoryStore:
     def delete_thread(self, thread_id: str) -> None:
         with self._lock:
             self._events.pop(thread_id, None)
-            for key in [k for k, e in self._ledger.items() if e.thread_id == thread_id]:
-                del self._ledger[key]
-            for dkey in [d for d in self._decisions if d[0] == thread_id]:
-                del self._decisions[dkey]
+            self._ledger = {k: e for k, e in self._ledger.items() if e.thread_id != thread_id}
+            self._decisions = {k: m for k, m in self._decisions.items() if k[0] != thread_id}
+            self._decided_at = {k: t for k, t in self._decided_at.items() if k[0] != thread_id}
             self._drop_artifacts(thread_id)
             self._messages.pop(thread_id, None)
 
@@ -124,13 +123,9 @@ class MemoryStore:
         return sorted(entries, key=lambda e: (e.created_at, e.key))
 
     def ledger_repeat(self, thread_id: str, tool: str, args_digest: str) -> CommittedEffect | None:
-        entries = self.ledger(thread_id)
-        for step, entry in enumerate(entries, start=1):
-            if (entry.tool, entry.args_digest, entry.status) == (
-                tool,
-                args_digest,
-                LedgerStatus.COMMITTED,
-            ):
+        wanted = (tool, args_digest, LedgerStatus.COMMITTED)
+        for step, entry in enumerate(self.ledger(thread_id), start=1):
+            if (entry.tool, entry.args_digest, entry.status) == wanted:
                 return CommittedEffect(entry, step)
         return None
 

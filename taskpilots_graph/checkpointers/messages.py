@@ -207,12 +207,11 @@ def read_marker(value: Any) -> MessageRef | None:
 
 def message_refs(checkpoint: Checkpoint) -> dict[str, MessageRef]:
     """The checkpoint's channels that refer to stored messages, and their references."""
-    refs: dict[str, MessageRef] = {}
-    for channel, value in (checkpoint.get("channel_values") or {}).items():
-        ref = read_marker(value)
-        if ref is not None:
-            refs[channel] = ref
-    return refs
+    return {
+        channel: ref
+        for channel, value in (checkpoint.get("channel_values") or {}).items()
+        if (ref := read_marker(value)) is not None
+    }
 
 
 def with_values(checkpoint: Checkpoint, values: Mapping[str, Any]) -> Checkpoint:
@@ -316,15 +315,11 @@ def _common_prefix(stored: Sequence[Any], value: Sequence[Any]) -> int:
 
 
 def _same_names(stored: Sequence[str], value: Sequence[str], upto: int) -> int:
-    # Keys are compared by value (strings); a record map's prefix ends at the first
-    # position whose key or record differs. One C-level comparison in the usual case (no
-    # key changed); the position of a difference is searched for only when there is one.
+    # Keys are compared by value (strings): a record map's prefix ends at the first
+    # position whose key or record differs. Fast path as in _common_prefix.
     if stored[:upto] == value[:upto]:
         return upto
-    for i in range(upto):
-        if stored[i] != value[i]:
-            return i
-    return upto
+    return next((i for i in range(upto) if stored[i] != value[i]), upto)
 
 
 def _storable_name(name: Any) -> bool:
@@ -338,16 +333,7 @@ def _storable_name(name: Any) -> bool:
 
 
 def _storable(message: Any) -> bool:
-    if not isinstance(message, BaseMessage):
-        return False
-    message_id = message.id
-    if type(message_id) is not str or not message_id or "\x00" in message_id:
-        return False
-    try:
-        message_id.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(message, BaseMessage) and _storable_name(message.id) and message.id != ""
 
 
 def _stored(message: Any, serde: SerializerProtocol, name: str | None = None) -> StoredMessage:
@@ -411,9 +397,9 @@ class MessageLog:
             if type(value) is list or type(value) is MessageList:
                 planned = self._plan((thread_id, ns, channel), value, None, serde)
             elif type(value) is RecordMap:
-                names = list(value)
-                records = list(value.values())
-                planned = self._plan((thread_id, ns, channel), records, names, serde)
+                planned = self._plan(
+                    (thread_id, ns, channel), list(value.values()), list(value), serde
+                )
             else:
                 continue
             if planned is None:

@@ -1,11 +1,8 @@
 """The ``taskpilots`` command: run the demo, inspect threads, answer takeovers, run drills.
 
-Every command takes ``--help``; read commands take ``--json``. Storage comes from ``--db``
-(a SQLite path, ``sqlite:///…`` or ``postgresql://…``), else ``$TASKPILOTS_DB``, else
-``$TASKPILOTS_POSTGRES_URL``, else ``.taskpilots/runs.db``. Commands that run a graph take
-``--graph module:attribute`` naming a factory that receives the checkpointer opened from
-``--db`` (``def make_graph(checkpointer): ...``); a compiled graph or a factory without
-arguments is accepted too and then runs on its own checkpointer.
+Every command takes ``--help``; read commands take ``--json``. The storage options are
+described in :mod:`~taskpilots_graph.cli._common`, ``--graph`` in
+:mod:`~taskpilots_graph.cli._actions`.
 
 Example:
     $ taskpilots threads --db runs.db

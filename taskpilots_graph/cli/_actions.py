@@ -128,10 +128,7 @@ def _run(graph: Any, cp: Any, thread: str, call: Callable[[], Any], as_json: boo
 
 
 def resume(
-    thread: ThreadArgument,
-    graph: GraphOption,
-    db: DbOption = None,
-    as_json: JsonOption = False,
+    thread: ThreadArgument, graph: GraphOption, db: DbOption = None, as_json: JsonOption = False
 ) -> None:
     """Continue a thread from its latest checkpoint; completed steps do not run again."""
     from taskpilots_graph import runner
@@ -222,8 +219,7 @@ def decide(
 def rewind(
     thread: ThreadArgument,
     to: Annotated[
-        str,
-        typer.Option("--to", metavar="TARGET", help="A business milestone or a checkpoint id."),
+        str, typer.Option("--to", metavar="TARGET", help="A business milestone or a checkpoint id.")
     ],
     graph: GraphOption,
     db: DbOption = None,

@@ -159,8 +159,7 @@ def resolve_db(db: str | None) -> str:
     if db:
         return db
     for name in DB_ENV:
-        value = os.environ.get(name, "").strip()
-        if value:
+        if value := os.environ.get(name, "").strip():
             return value
     return DEFAULT_DB
 

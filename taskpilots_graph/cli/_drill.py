@@ -78,8 +78,7 @@ def drill(
         marked = is_drill_graph(load_graph(graph).target)
         if marked:
             console.print(
-                f"drilling {graph}: marked @drill_graph, its tools are test doubles",
-                markup=False,
+                f"drilling {graph}: marked @drill_graph, its tools are test doubles", markup=False
             )
         elif real_effects:
             console.print(

@@ -49,8 +49,7 @@ def parse_since(text: str | None) -> datetime | None:
 
     if text is None:
         return None
-    match = _RELATIVE.match(text.strip())
-    if match:
+    if match := _RELATIVE.match(text.strip()):
         amount, unit = float(match.group(1)), match.group(2)
         return datetime.now(UTC) - timedelta(**{_UNITS[unit]: amount})
     try:
@@ -125,8 +124,7 @@ def threads(
     from taskpilots_graph.errors import ConfigurationError
 
     with guarded():
-        unknown = sorted(set(status or ()) - set(STATUSES))
-        if unknown:
+        if unknown := sorted(set(status or ()) - set(STATUSES)):
             raise ConfigurationError(
                 f"unknown status {', '.join(unknown)}; use one of {', '.join(STATUSES)}"
             )

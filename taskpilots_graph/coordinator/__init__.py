@@ -1,13 +1,10 @@
 """Multi-agent coordination: run sub-agents as threads of their own, watch them, attribute
 failures and recover only what failed.
 
-* :func:`create_coordinator` builds a :class:`Coordinator` over sub-agent graphs, with their
-  dependencies (``depends_on``) and the business objects they share (``shares``, each a
-  plain id or a :class:`Share` with its :class:`SharePolicy`: keep the sharers' committed
-  effects when one of them fails, the default, or compensate them exactly once).
+* :func:`create_coordinator` builds a :class:`Coordinator` over sub-agent graphs (what it
+  does, dependencies, shared objects and their :class:`Share` policies: its docstring).
   ``Coordinator.run(parent, inputs)`` (or ``arun``) drives them and returns a
   :class:`CoordinationReport`; run it again in any process to continue after a crash.
-  A failed sub-agent re-runs on its own thread, so nothing it committed runs twice.
 * :func:`await_lock` takes a business lock visibly, so a coordinator can report sub-agents
   waiting on each other as STUCK (:class:`MutualWait` ends the waits).
 * The pure parts (:class:`CoordinationPlan`, :func:`plan_recovery`, :func:`find_cycle`,

@@ -24,10 +24,6 @@ parent event           meaning (payload keys)
 ``agent_finished``     an attempt ended (``status``), or a sub-agent was given up on
 ``stuck_detected``     a dependency cycle or a mutual wait, naming the sub-agents
 =====================  =======================================================================
-
-Every attempt of a sub-agent runs on its own thread, ``<parent>/<name>``: a re-run is a new
-turn of that thread, whose input (:mod:`._rerun`) says what its earlier attempts committed
-(kept, and returned from the ledger if called again) and what the coordinator undid.
 """
 
 from __future__ import annotations

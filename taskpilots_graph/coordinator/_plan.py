@@ -381,6 +381,10 @@ def plan_recovery(
 ) -> SubTaskRecovery:
     """Decide how to recover sub-task ``failed``: only what failed runs again.
 
+    It re-runs alone unless it committed effects on a shared object whose policy is
+    :attr:`SharePolicy.COMPENSATE`: those effects, and every sharer's that ran, are then
+    undone first (each listed once), and those sharers and its dependents that ran run again.
+
     Args:
         plan: The coordination plan.
         failed: The failed sub-task.
@@ -392,13 +396,6 @@ def plan_recovery(
         sharers: The committed effects of the other sub-tasks, by name, oldest first.
         undoable: Keys of the effects (``effects`` and ``sharers``) whose tool has a
             compensator; ``None``: all of them.
-
-    A failure that committed nothing on an object another sub-task shares, or only on
-    objects whose policy is :attr:`SharePolicy.KEEP`, reruns the failed sub-task alone: the
-    others' work stands, and its own committed effects are returned from its ledger. Under
-    :attr:`SharePolicy.COMPENSATE` the committed effects on the touched object, of the
-    failed sub-task and of every sharer that ran, are undone first (the plan lists each
-    once), then the failed sub-task, those sharers and its dependents that ran run again.
     """
     if attempts >= max_attempts:
         return SubTaskRecovery(give_up=True)

@@ -428,14 +428,11 @@ def _decide(
             task=state.task_ns,
             ordinal=ordinal,
         )
-        moved = ledger_move(entry, decision, who, datetime.now(UTC)) if entry is not None else None
         if entry is not None:
             # Mark the entry even when its status stays (abandon), so a re-run of the task
             # knows this answer was applied.
-            after = replace(
-                moved or entry,
-                extra={**(moved or entry).extra, DECISIONS: {state.task_ns: ordinal + 1}},
-            )
+            moved = ledger_move(entry, decision, who, datetime.now(UTC)) or entry
+            after = replace(moved, extra={**moved.extra, DECISIONS: {state.task_ns: ordinal + 1}})
             yield WriteEntry(after, (entry.status, entry.attempt), recorded)
         else:
             yield WriteEvent(recorded)

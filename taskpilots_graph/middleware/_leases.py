@@ -1,18 +1,15 @@
-"""The thread lease and business locks of :class:`RecoveryMiddleware`.
+"""The thread lease around each step of :class:`RecoveryMiddleware`.
 
 langchain's ``create_agent`` builds the graph, so the middleware cannot wrap the whole run
 the way the recovery agent's own graph does: no hook spans a run and is sure to run again
 when it ends by an exception or an interrupt. It holds the thread lease around each step
-it wraps instead (each model call and each tool call), which covers every side effect: a
-second runner of the thread gets :class:`~taskpilots_graph.errors.ThreadBusy` while a step
-runs. A runner that already holds the lease (``tp.run``, ``tp.resume``, ... always do) is
-not asked again: then the lease spans the whole run.
+it wraps instead (each model call and each tool call), which covers every side effect. A
+runner that already holds the lease (``tp.run``, ``tp.resume``, ... always do) is not asked
+again: then the lease spans the whole run.
 
 The tool calls of one model message run in parallel (one task each, from one checkpoint):
-they share one hold, counted, so they do not lock each other out. A ``lock=`` tool takes its
-business lock before its intent is written and keeps it until the call is settled, as in
-the recovery agent's executor; the fencing token goes on the ledger entry and into
-``current_invocation().fencing``.
+they share one hold, counted, so they do not lock each other out. Business locks (``lock=``)
+are the engine driver's, as in the recovery agent's executor.
 """
 
 from __future__ import annotations
@@ -61,7 +58,9 @@ class StepLeases:
         default_factory=weakref.WeakKeyDictionary
     )
 
-    def _release(self, key: _Key, shared: _Shared) -> Callable[[], Any] | None:
+    def _release(self, key: _Key, shared: _Shared, token: Any) -> Callable[[], Any] | None:
+        with contextlib.suppress(ValueError):
+            reset_thread_hold(token)
         with self._lock:
             shared.users -= 1
             if shared.users:
@@ -90,9 +89,7 @@ class StepLeases:
         try:
             yield
         finally:
-            with contextlib.suppress(ValueError):
-                reset_thread_hold(token)
-            done = self._release(key, shared)
+            done = self._release(key, shared, token)
             if done is not None:
                 done()
 
@@ -128,8 +125,6 @@ class StepLeases:
         try:
             yield
         finally:
-            with contextlib.suppress(ValueError):
-                reset_thread_hold(token)
-            done = self._release(key, shared)
+            done = self._release(key, shared, token)
             if done is not None:
                 await done()

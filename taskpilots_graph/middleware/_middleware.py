@@ -17,6 +17,7 @@ from langgraph.types import Command, interrupt
 
 from taskpilots_graph import _clock
 from taskpilots_graph._compat import answers_waiting, create_agent_arguments, middleware_chain
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.agent import DEFAULT_LEASE_TTL
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import valid_conversation
@@ -196,38 +197,11 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         )
         return flow, ctx
 
-    def _ledger_view(self, entries: list[LedgerEntry], extra: LedgerEntry | None) -> Any:
-        if extra is not None and all(e.key != extra.key for e in entries):
-            entries.append(extra)  # a business key first recorded by another thread
-        return entries
-
-    def _recorded_before(self, req: RecordDecision) -> bool:
-        # Parallel calls of one model message each ask to record it; the store keeps the
-        # first anyway, the mark saves the repeated writes. It is set only once the record
-        # is durable (_mark_recorded): a call that finds it may act at once, and one that
-        # does not, while another call is still writing, records again rather than act
-        # before the message is on disk.
-        return (req.thread_id, req.digest) in self._recorded
-
-    def _mark_recorded(self, req: RecordDecision) -> None:
-        if len(self._recorded) >= _RECORDED_MAX:  # bounded: a worker runs many threads
-            self._recorded.clear()
-        self._recorded.add((req.thread_id, req.digest))
-
     def _model_context(self) -> RunContext | None:
         try:
             return run_context(get_config())
         except (RuntimeError, ConfigurationError):
             return None  # outside a run, or a run without a thread: nothing to record
-
-    def _replay(self, ctx: RunContext, recorded: str | None) -> ModelResponse[Any] | None:
-        """The model's recorded decision for this conversation, answered without a call."""
-        if recorded is None:
-            return None
-        ai = load_message(recorded)
-        assert isinstance(ai, AIMessage)
-        self._decided(ctx, ai, replayed=True)
-        return ModelResponse(result=[ai])
 
     def _decided(self, ctx: RunContext, ai: AIMessage | None, *, replayed: bool) -> None:
         if ai is None:
@@ -261,54 +235,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             return None
         return marker
 
-    def _with_prompt(
-        self,
-        ctx: RunContext,
-        request: ModelRequest[Any],
-        marker: Mapping[str, Any],
-        ledger: list[LedgerEntry],
-    ) -> ModelRequest[Any]:
-        """The request with the resume prompt after the conversation, as the recovery
-        agent's think node gives it; only the model sees it (the state stays as it is)."""
-        prompt, refreshed = resume_message(
-            request.state, request.messages, ledger, marker, self._resume
-        )
-        event = resume_context(ctx.thread_id, ctx.graph_ns, str(prompt.content), refreshed)
-        self.checkpointer.defer_records([event])
-        return request.override(messages=[*request.messages, prompt])
-
-    def _handled(self, ctx: RunContext, marker: Mapping[str, Any] | None) -> None:
-        # Only once the model answered with the prompt: a failed call leaves it pending.
-        if marker is not None:
-            if len(self._resumed) >= _RECORDED_MAX:  # bounded: a worker runs many threads
-                self._resumed.clear()
-            self._resumed.add((ctx.thread_id, marker.get("seq")))
-
-    def _started(self, ctx: RunContext, state: Any) -> None:
-        # A new turn (the input ends on a user's message), logged as the recovery agent's
-        # think node logs it, before the model's first decision of the run.
-        started = run_started(ctx.thread_id, ctx.graph_ns, list(state.get("messages") or []))
-        if started is not None:
-            if len(self._starting) >= _RECORDED_MAX:  # bounded: a run may never reach the model
-                self._starting.clear()
-            self._starting[ctx.thread_id] = started
-
-    def _defer_start(self, ctx: RunContext) -> None:
-        # After the model call's flush, so that the event costs no transaction of its own.
-        started = self._starting.pop(ctx.thread_id, None)
-        if started is not None:
-            self.checkpointer.defer_records([started])
-
-    def _finished(self, ctx: RunContext, state: Any) -> list[EventRecord]:
-        # ``after_agent`` runs only when the agent loop ends on an answer (a pause for a
-        # person or an error leaves before it): the run closed, as the think node logs it.
-        messages = list(state.get("messages") or [])
-        if messages and getattr(messages[-1], "name", None) == _STOPPED_NAME:
-            return [run_finished(ctx.thread_id, ctx.graph_ns, "closed", reason=ABANDONED)]
-        answer = answer_text(messages[-1]) if messages else ""
-        return [run_finished(ctx.thread_id, ctx.graph_ns, "closed", answer=answer)]
-
-    # -- sync driver ---------------------------------------------------------------------------
+    # -- the hooks -----------------------------------------------------------------------------
 
     def wrap_tool_call(self, request: ToolCallRequest, handler: ToolHandler) -> Any:
         """Run one tool call through the ledger, the tool policy and takeover."""
@@ -322,11 +249,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             self.lease_ttl,
             lambda req: seat.answered(handler(cast(ToolCallRequest, seat.request)), req.effect),
             check_args=seat.check,
-            other=lambda req: (
-                seat.use(req)
-                if isinstance(req, UseTool)
-                else self._do(req, handler, driver.pending)
-            ),
+            other=lambda req: run_steps(self._request(req, seat, handler, driver.pending)),
         )
         try:
             with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
@@ -339,29 +262,77 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         self.checkpointer.defer_records(driver.pending)
         return result
 
-    def _do(self, req: Any, handler: ToolHandler, pending: list[EventRecord]) -> Any:
+    async def awrap_tool_call(self, request: ToolCallRequest, handler: AsyncToolHandler) -> Any:
+        """Async form of :meth:`wrap_tool_call`."""
+        self._check_owner(request, handler, is_async=True)
+        flow, ctx = self._flow(request)
+        seat = ToolSeat()
+
+        async def run_tool(req: RunTool) -> Any:
+            return seat.answered(await handler(cast(ToolCallRequest, seat.request)), req.effect)
+
+        driver = AsyncDriver(
+            self.checkpointer,
+            ctx.thread_id,
+            self.alease_backend,
+            self.lease_ttl,
+            run_tool,
+            check_args=seat.check,
+            other=lambda req: arun_steps(self._request(req, seat, handler, driver.pending)),
+        )
+        try:
+            async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
+                result = await driver.drive(flow)
+        except BaseException:
+            await self.checkpointer.aappend_records(driver.pending, flush=ctx.thread_id)
+            raise
+        self.checkpointer.defer_records(driver.pending)
+        return result
+
+    def _request(
+        self,
+        req: Any,
+        seat: ToolSeat,
+        handler: Callable[[ToolCallRequest], Any],
+        pending: list[EventRecord],
+    ) -> Steps[Any]:
         """The middleware's own requests (the engine's driver carries out the protocol's)."""
         cp = self.checkpointer
+        if isinstance(req, UseTool):
+            return seat.use(req)
         if isinstance(req, PassThrough):
-            return handler(req.request)
-        if isinstance(req, Sleep):
-            _clock.sleep(req.seconds)
-            return None
+            return (yield both(handler, handler, req.request))
         if isinstance(req, Ask):
             return _ask(req, pending)
         if isinstance(req, ReadAsked):
-            return asked_in(cp.events(req.thread_id), req)
+            return asked_in((yield io(cp, "events", req.thread_id)), req)
         if isinstance(req, ReadLedger):
-            extra = cp.ledger_entry(req.key) if req.key else None
-            return self._ledger_view(cp.ledger(req.thread_id), extra)
-        if isinstance(req, RecordDecision):
-            if not self._recorded_before(req):
-                cp.record_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
-                self._mark_recorded(req)
-            return None
-        if isinstance(req, Compensate):
+            extra = (yield io(cp, "ledger_entry", req.key)) if req.key else None
+            entries: list[LedgerEntry] = yield io(cp, "ledger", req.thread_id)
+            if extra is not None and all(e.key != extra.key for e in entries):
+                entries.append(extra)  # a business key first recorded by another thread
+            return entries
+        if isinstance(req, Sleep):
+            yield both(_clock.sleep, _clock.asleep, req.seconds)
+        elif isinstance(req, RecordDecision):
+            # Parallel calls of one model message each ask to record it; the store keeps the
+            # first anyway, the mark saves the repeated writes. It is set only once the record
+            # is durable: a call that finds it may act at once, and one that does not, while
+            # another call is still writing, records again rather than act before the message
+            # is on disk.
+            seen = (req.thread_id, req.digest)
+            if seen not in self._recorded:
+                yield io(
+                    cp, "record_decision", req.thread_id, req.checkpoint_ns, req.digest, req.message
+                )
+                if len(self._recorded) >= _RECORDED_MAX:  # bounded: a worker runs many threads
+                    self._recorded.clear()
+                self._recorded.add(seen)
+        elif isinstance(req, Compensate):
             # Inside the tool node, so an uncertain undo asks a person with interrupt().
-            compensate_thread(
+            yield both(
+                compensate_thread,
+                acompensate_thread,
                 cp,
                 req.thread_id,
                 req.tools,
@@ -370,17 +341,16 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
                 leases=self.leases,
                 lease_ttl=self.lease_ttl,
             )
-            return None
-        if isinstance(req, EndRun):
+        elif isinstance(req, EndRun):
             if self._in_agent:
                 pending.append(req.event)
-            return None
-        if isinstance(req, Flush):
+        elif isinstance(req, Flush):
             if pending:
-                cp.append_records(list(pending))
+                yield io(cp, "append_records", list(pending))
                 pending.clear()
-            return None
-        raise AssertionError(f"unknown request {req!r}")  # pragma: no cover
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown request {req!r}")
+        return None
 
     def wrap_model_call(
         self, request: ModelRequest[Any], handler: Callable[[ModelRequest[Any]], Any]
@@ -398,130 +368,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         if stopped is not None:
             return stopped
         with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
-            return self._model_call(ctx, request, handler)
-
-    def _model_call(
-        self,
-        ctx: RunContext,
-        request: ModelRequest[Any],
-        handler: Callable[[ModelRequest[Any]], Any],
-    ) -> Any:
-        cp = self.checkpointer
-        if ctx.thread_id in self._orphaned:
-            self._orphaned.discard(ctx.thread_id)
-            reconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
-        cp.append_records([], flush=ctx.thread_id)
-        self._defer_start(ctx)
-        marker = self._resume_marker(ctx)
-        if ctx.durability != "sync" or marker is not None:
-            replayed = self._replay(ctx, cp.decision(ctx.thread_id, ctx.graph_ns, _digest(request)))
-            if replayed is not None:
-                return replayed  # the resume prompt waits for a real call
-        if marker is not None:
-            request = self._with_prompt(ctx, request, marker, cp.ledger(ctx.thread_id))
-        response = handler(request)
-        self._handled(ctx, marker)
-        self._decided(ctx, _first_ai(response), replayed=False)
-        return response
-
-    def before_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Note a thread whose earlier run stopped with effects of unknown outcome.
-
-        ``create_agent`` starts new input at the model, and LangGraph drops the tasks the
-        stopped run left: the model could decide the same effect again under a new
-        tool-call id (a new key). The orphan intents are settled (pre-check, or a person)
-        before the model's first call of this run, so whatever it decides meets a settled
-        entry and the repeat guard. Costs one ledger read per run.
-        """
-        ctx = self._model_context()
-        if ctx is None:
-            return None
-        self._started(ctx, state)
-        if orphan_intents(self.checkpointer.ledger(ctx.thread_id)):
-            self._orphaned.add(ctx.thread_id)
-        return None
-
-    def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
-        """Log the end of the run; make its buffered events durable before it returns."""
-        ctx = self._model_context()
-        if ctx is not None:
-            self.checkpointer.append_records(self._finished(ctx, state), flush=ctx.thread_id)
-        return None
-
-    # -- async driver --------------------------------------------------------------------------
-
-    async def awrap_tool_call(self, request: ToolCallRequest, handler: AsyncToolHandler) -> Any:
-        """Async form of :meth:`wrap_tool_call`."""
-        self._check_owner(request, handler, is_async=True)
-        flow, ctx = self._flow(request)
-        seat = ToolSeat()
-
-        async def run_tool(req: RunTool) -> Any:
-            return seat.answered(await handler(cast(ToolCallRequest, seat.request)), req.effect)
-
-        async def other(req: Any) -> Any:
-            if isinstance(req, UseTool):
-                return seat.use(req)
-            return await self._ado(req, handler, driver.pending)
-
-        driver = AsyncDriver(
-            self.checkpointer,
-            ctx.thread_id,
-            self.alease_backend,
-            self.lease_ttl,
-            run_tool,
-            check_args=seat.check,
-            other=other,
-        )
-        try:
-            async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
-                result = await driver.drive(flow)
-        except BaseException:
-            await self.checkpointer.aappend_records(driver.pending, flush=ctx.thread_id)
-            raise
-        self.checkpointer.defer_records(driver.pending)
-        return result
-
-    async def _ado(self, req: Any, handler: AsyncToolHandler, pending: list[EventRecord]) -> Any:
-        cp = self.checkpointer
-        if isinstance(req, PassThrough):
-            return await handler(req.request)
-        if isinstance(req, Sleep):
-            await _clock.asleep(req.seconds)
-            return None
-        if isinstance(req, Ask):
-            return _ask(req, pending)
-        if isinstance(req, ReadAsked):
-            return asked_in(await cp.aevents(req.thread_id), req)
-        if isinstance(req, ReadLedger):
-            extra = await cp.aledger_entry(req.key) if req.key else None
-            return self._ledger_view(await cp.aledger(req.thread_id), extra)
-        if isinstance(req, RecordDecision):
-            if not self._recorded_before(req):
-                await cp.arecord_decision(req.thread_id, req.checkpoint_ns, req.digest, req.message)
-                self._mark_recorded(req)
-            return None
-        if isinstance(req, Compensate):
-            await acompensate_thread(
-                cp,
-                req.thread_id,
-                req.tools,
-                checkpoint_ns=req.checkpoint_ns,
-                ask=True,
-                leases=self.leases,
-                lease_ttl=self.lease_ttl,
-            )
-            return None
-        if isinstance(req, EndRun):
-            if self._in_agent:
-                pending.append(req.event)
-            return None
-        if isinstance(req, Flush):
-            if pending:
-                await cp.aappend_records(list(pending))
-                pending.clear()
-            return None
-        raise AssertionError(f"unknown request {req!r}")  # pragma: no cover
+            return run_steps(self._model_call(ctx, request, handler))
 
     async def awrap_model_call(
         self,
@@ -537,48 +384,100 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         if stopped is not None:
             return stopped
         async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
-            return await self._amodel_call(ctx, request, handler)
+            return await arun_steps(self._model_call(ctx, request, handler))
 
-    async def _amodel_call(
-        self,
-        ctx: RunContext,
-        request: ModelRequest[Any],
-        handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
-    ) -> Any:
-        cp = self.checkpointer
-        if ctx.thread_id in self._orphaned:
-            self._orphaned.discard(ctx.thread_id)
-            await areconcile_orphans(None, cp, ctx.thread_id, tools=_tool_table(request))
-        await cp.aappend_records([], flush=ctx.thread_id)
-        self._defer_start(ctx)
+    def _model_call(
+        self, ctx: RunContext, request: ModelRequest[Any], handler: Callable[..., Any]
+    ) -> Steps[Any]:
+        cp, thread_id = self.checkpointer, ctx.thread_id
+        if thread_id in self._orphaned:
+            self._orphaned.discard(thread_id)
+            tools = _tool_table(request)
+            yield both(reconcile_orphans, areconcile_orphans, None, cp, thread_id, tools=tools)
+        yield io(cp, "append_records", [], flush=thread_id)
+        # The run's start after the flush, so that the event costs no transaction of its own.
+        started = self._starting.pop(thread_id, None)
+        if started is not None:
+            cp.defer_records([started])
         marker = self._resume_marker(ctx)
         if ctx.durability != "sync" or marker is not None:
-            recorded = await cp.adecision(ctx.thread_id, ctx.graph_ns, _digest(request))
-            replayed = self._replay(ctx, recorded)
-            if replayed is not None:
-                return replayed  # the resume prompt waits for a real call
+            # The model's recorded decision for this conversation, answered without a call.
+            recorded = yield io(cp, "decision", thread_id, ctx.graph_ns, _digest(request))
+            if recorded is not None:
+                ai = load_message(recorded)
+                assert isinstance(ai, AIMessage)
+                self._decided(ctx, ai, replayed=True)
+                return ModelResponse(result=[ai])  # the resume prompt waits for a real call
         if marker is not None:
-            request = self._with_prompt(ctx, request, marker, await cp.aledger(ctx.thread_id))
-        response = await handler(request)
-        self._handled(ctx, marker)
+            # The resume prompt after the conversation, as the recovery agent's think node
+            # gives it; only the model sees it (the state stays as it is).
+            ledger = yield io(cp, "ledger", thread_id)
+            prompt, refreshed = resume_message(
+                request.state, request.messages, ledger, marker, self._resume
+            )
+            text = str(prompt.content)
+            cp.defer_records([resume_context(thread_id, ctx.graph_ns, text, refreshed)])
+            request = request.override(messages=[*request.messages, prompt])
+        response = yield both(handler, handler, request)
+        # Only once the model answered with the prompt: a failed call leaves it pending.
+        if marker is not None:
+            if len(self._resumed) >= _RECORDED_MAX:  # bounded: a worker runs many threads
+                self._resumed.clear()
+            self._resumed.add((thread_id, marker.get("seq")))
         self._decided(ctx, _first_ai(response), replayed=False)
         return response
 
+    def before_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Note a thread whose earlier run stopped with effects of unknown outcome.
+
+        ``create_agent`` starts new input at the model, and LangGraph drops the tasks the
+        stopped run left: the model could decide the same effect again under a new
+        tool-call id (a new key). The orphan intents are settled (pre-check, or a person)
+        before the model's first call of this run, so whatever it decides meets a settled
+        entry and the repeat guard. Costs one ledger read per run.
+        """
+        return run_steps(self._before_agent(state))
+
     async def abefore_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         """Async form of :meth:`before_agent`."""
+        return await arun_steps(self._before_agent(state))
+
+    def _before_agent(self, state: Any) -> Steps[None]:
         ctx = self._model_context()
-        if ctx is None:
-            return None
-        self._started(ctx, state)
-        if orphan_intents(await self.checkpointer.aledger(ctx.thread_id)):
-            self._orphaned.add(ctx.thread_id)
+        if ctx is not None:
+            # A new turn (the input ends on a user's message), logged as the recovery agent's
+            # think node logs it, before the model's first decision of the run.
+            messages = list(state.get("messages") or [])
+            started = run_started(ctx.thread_id, ctx.graph_ns, messages)
+            if started is not None:
+                if len(self._starting) >= _RECORDED_MAX:  # bounded: a run may never reach it
+                    self._starting.clear()
+                self._starting[ctx.thread_id] = started
+            if orphan_intents((yield io(self.checkpointer, "ledger", ctx.thread_id))):
+                self._orphaned.add(ctx.thread_id)
         return None
+
+    def after_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        """Log the end of the run; make its buffered events durable before it returns."""
+        return run_steps(self._after_agent(state))
 
     async def aafter_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         """Async form of :meth:`after_agent`."""
+        return await arun_steps(self._after_agent(state))
+
+    def _after_agent(self, state: Any) -> Steps[None]:
         ctx = self._model_context()
-        if ctx is not None:
-            await self.checkpointer.aappend_records(self._finished(ctx, state), flush=ctx.thread_id)
+        if ctx is None:
+            return None
+        # ``after_agent`` runs only when the agent loop ends on an answer (a pause for a
+        # person or an error leaves before it): the run closed, as the think node logs it.
+        messages = list(state.get("messages") or [])
+        if messages and getattr(messages[-1], "name", None) == _STOPPED_NAME:
+            end = run_finished(ctx.thread_id, ctx.graph_ns, "closed", reason=ABANDONED)
+        else:
+            answer = answer_text(messages[-1]) if messages else ""
+            end = run_finished(ctx.thread_id, ctx.graph_ns, "closed", answer=answer)
+        yield io(self.checkpointer, "append_records", [end], flush=ctx.thread_id)
         return None
 
 

@@ -2,21 +2,11 @@
 
 ``create_agent`` composes the ``wrap_tool_call`` hooks of its middleware into one chain
 (the first in the list is the outermost) and hands each hook the rest of the chain as its
-``handler``. :func:`check_middleware` looks at that order and refuses:
-
-* a ``ToolRetryMiddleware`` covering a tool that :class:`RecoveryMiddleware` also retries
-  (its policy has ``max_attempts > 1``): two owners multiply the attempts and the second
-  one knows nothing of the tool policy or the ledger;
-* a ``ToolRetryMiddleware`` *inside* the recovery middleware (later in the list) covering a
-  side-effecting tool: its retries would run the effect again within one ledger attempt,
-  behind the pre-check's back;
-* a ``ToolErrorMiddleware`` inside the recovery middleware covering a side-effecting tool:
-  it turns a timeout into an error message, which hides from the ledger that the request may
-  have reached the service.
-
-:func:`taskpilots_graph._compat.middleware_chain` recovers the stack from a ``handler``
-at the first call, so the check also runs for users who never call
-:func:`check_middleware` themselves.
+``handler``. The rules are the package docstring's (composing with langchain's own
+middleware): two retry owners multiply the attempts, and a retry or error layer inside this
+one acts behind the ledger's back. :func:`taskpilots_graph._compat.middleware_chain`
+recovers the stack from a ``handler`` at the first call, so the check also runs for users
+who never call :func:`check_middleware` themselves.
 """
 
 from __future__ import annotations

@@ -372,13 +372,8 @@ def _headline(metric: str, value: str, source: str) -> tuple[str, list[str]]:
 
 def metrics_html(metrics: RecoveryMetrics) -> str:
     """The four recovery metrics, the runs by status and the per-tool figures."""
-    lr, dup, ttc, tk, runs = (
-        metrics.local_recovery,
-        metrics.duplicates,
-        metrics.time_to_close,
-        metrics.takeover,
-        metrics.runs,
-    )
+    lr, dup, ttc = metrics.local_recovery, metrics.duplicates, metrics.time_to_close
+    tk, runs = metrics.takeover, metrics.runs
     per_100 = "n/a" if tk.per_100_runs is None else f"{tk.per_100_runs:.1f}"
     headline = _table(
         ["metric", "value", "from"],

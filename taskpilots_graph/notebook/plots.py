@@ -32,13 +32,7 @@ from taskpilots_graph.metrics import RecoveryMetrics, recovery_metrics
 from taskpilots_graph.replay import ReplayStep
 from taskpilots_graph.threads import recovery_api
 
-__all__ = [
-    "batch_close_times",
-    "close_times",
-    "plot_batch",
-    "plot_batch_metrics",
-    "plot_timeline",
-]
+__all__ = ["batch_close_times", "close_times", "plot_batch", "plot_batch_metrics", "plot_timeline"]
 
 _GREEN, _RED, _GREY = "#2da44e", "#cf222e", "#8c959f"
 _ORANGE, _PURPLE, _BLUE = "#d4a72c", "#8250df", "#0969da"
@@ -291,8 +285,7 @@ def plot_batch_metrics(
     for y, stats in enumerate(tools):
         x = 0
         for kind in kinds:
-            n = stats.failures.get(kind, 0)
-            if n:
+            if n := stats.failures.get(kind, 0):
                 (bar,) = left.barh(y, n, left=x, color=colour[kind], height=0.6)
                 bar.set_gid("tp-failures")
                 x += n
@@ -310,8 +303,7 @@ def plot_batch_metrics(
         right.hist(list(samples), bins=bins, color=_BLUE)
         for patch in right.patches:  # only the histogram's bins are patches here
             patch.set_gid("tp-close")
-        mean = metrics.time_to_close.mean_seconds
-        if mean is not None:
+        if (mean := metrics.time_to_close.mean_seconds) is not None:
             right.axvline(mean, color=_RED, linestyle="--", label=f"mean {mean:.2f} s")
             right.legend(fontsize="small")
     else:

@@ -210,8 +210,7 @@ def build_resume_prompt(
                 list(reversed(done_lines)),
                 budget - len(t["done_title"]) - 1,
                 lambda n: t["done_more"].format(
-                    count=folded + n,
-                    tools=_counts([d[0] for d in facts.done[:n]], facts.folded),
+                    count=folded + n, tools=_counts([d[0] for d in facts.done[:n]], facts.folded)
                 ),
                 always=folded > 0,
             )

@@ -1,13 +1,11 @@
 """The takeover inbox: a small server-rendered Starlette app (no JavaScript).
 
-Pages: the inbox (``/``: one row per takeover waiting on a person, oldest first, with its
-tool, why, since when and how risky; unsettled effects; recent decisions), a thread
-(``/threads/<id>``: status, each pending takeover with what is known about its effect and
-every option's consequence (:mod:`~taskpilots_graph.web.view`) and a form per decision,
-the ledger and the timeline) and the recovery map (``/map``, its chart an SVG image drawn
-on the server, ``/map.svg``). A decision is a POST to ``/decide/<id>``; it is carried out
-in the background (:mod:`~taskpilots_graph.web.jobs`) and the browser is sent to the
-thread page, which refreshes itself (an HTML ``meta`` refresh) until the outcome is known.
+Pages: the inbox (``/``), a thread (``/threads/<id>``: its takeovers as
+:mod:`~taskpilots_graph.web.view` describes them, a form per decision, the ledger and the
+timeline) and the recovery map (``/map``, its chart drawn on the server, ``/map.svg``). A
+decision, a POST to ``/decide/<id>``, is carried out in the background
+(:mod:`~taskpilots_graph.web.jobs`); the thread page refreshes itself (an HTML ``meta``
+refresh) until the outcome is known.
 
 Every form names the takeover it answers (interrupt id and tool call id), and its CSRF
 token is bound to that takeover: a form sent again after its takeover was answered (a

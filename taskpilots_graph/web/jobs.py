@@ -117,26 +117,23 @@ class DecisionJobs:
         except ToolWaiting as waiting:
             when = datetime.fromtimestamp(waiting.retry_at, UTC).isoformat(timespec="seconds")
             self._finish(job, "done", f"the run waits for a tool until {when}")
-            return
         except StaleDecision as exc:
             self._finish(job, "failed", f"refused, nothing changed: {exc}")
-            return
         except TaskPilotsError as exc:
             self._finish(job, "failed", str(exc))
-            return
         except Exception as exc:  # the run itself failed: show it rather than lose it
             self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
-            return
-        cp = recovery_api(self.checkpointer)
-        info = thread_info(cp, job.thread_id)
-        outcome = outcome_of(info, cp.events(job.thread_id), cp.ledger(job.thread_id))
-        words = f"the thread is now {outcome.label}"
-        if outcome.not_undone:
-            words += f"; not undone (no compensator): {named_effects(outcome.not_undone)}"
-        if outcome.uncertain:
-            words += f"; may have happened, not undone: {named_effects(outcome.uncertain)}"
-        last = _last_text(result)
-        self._finish(job, "done", words + (f"; last message: {last}" if last else ""))
+        else:
+            cp = recovery_api(self.checkpointer)
+            info = thread_info(cp, job.thread_id)
+            outcome = outcome_of(info, cp.events(job.thread_id), cp.ledger(job.thread_id))
+            words = f"the thread is now {outcome.label}"
+            if outcome.not_undone:
+                words += f"; not undone (no compensator): {named_effects(outcome.not_undone)}"
+            if outcome.uncertain:
+                words += f"; may have happened, not undone: {named_effects(outcome.uncertain)}"
+            last = _last_text(result)
+            self._finish(job, "done", words + (f"; last message: {last}" if last else ""))
 
     def close(self) -> None:
         """Wait for the running decision, then stop the worker."""

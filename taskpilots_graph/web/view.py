@@ -259,9 +259,7 @@ def _options(
     if uncertain and first is not None:
         left.append(f"{tool} ({key}) may have happened and is not undone either")
     words["abandon"] = Option(
-        "abandon",
-        f"stops the run: {undone}, then closes it",
-        "; ".join(left) or None,
+        "abandon", f"stops the run: {undone}, then closes it", "; ".join(left) or None
     )
     if request.drift is not None:
         # A drifted result is known, not uncertain: the request's own words fit its answers.
