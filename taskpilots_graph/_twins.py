@@ -80,6 +80,14 @@ async def arun_steps(steps: Steps[T]) -> T:
 def _named(function: Callable[..., Any], name: str) -> None:
     function.__name__ = name
     function.__qualname__ = f"{function.__qualname__.rpartition('.')[0]}.{name}".lstrip(".")
+    # ``wraps`` points signature() at the body, whose return is ``Steps[T]``: show ``T``,
+    # what a caller gets (help(), Jupyter, documentation tools).
+    signature = inspect.signature(function)
+    returned = signature.return_annotation
+    if isinstance(returned, str) and returned.startswith("Steps[") and returned.endswith("]"):
+        function.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            return_annotation=returned[len("Steps[") : -1]
+        )
 
 
 def synced(steps: Callable[P, Steps[T]]) -> Callable[P, T]:

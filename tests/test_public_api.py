@@ -145,3 +145,22 @@ def test_errors_survive_pickling(err: errors.TaskPilotsError) -> None:
     assert type(back) is type(err)
     assert str(back) == str(err)
     assert back.__dict__ == err.__dict__
+
+
+def test_methods_written_once_for_both_forms_show_what_they_return() -> None:
+    """A method built from one body for its sync and async forms (``taskpilots_graph._twins``)
+    shows the value a caller gets in ``help()`` and Jupyter, not the body's generator."""
+    import inspect
+
+    from taskpilots_graph.checkpointers import retention
+
+    shown: dict[str, str] = {}
+    for owner in (tp.RecoveryCheckpointer, tp.AsyncRecoveryCheckpointer, retention):
+        for name in dir(owner):
+            member = getattr(owner, name)
+            if name.startswith("_") or not hasattr(member, "__wrapped__"):
+                continue  # only wrapped functions can show another function's signature
+            shown[f"{owner.__name__}.{name}"] = str(inspect.signature(member))
+    assert "RecoveryCheckpointer.events" in shown
+    assert "AsyncRecoveryCheckpointer.aevents" in shown
+    assert {name: sig for name, sig in shown.items() if "Steps[" in sig} == {}
