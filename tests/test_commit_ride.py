@@ -342,3 +342,66 @@ def test_the_same_command_twice_through_stream_and_run_opens_one_ticket(
     assert _tickets(services) == 1
     (entry,) = sqlite_cp.ledger("t-1")
     assert entry.status is LedgerStatus.COMMITTED
+
+
+# --- a commit on its way keeps the thread's events in order ------------------------------------
+
+
+def test_an_append_waits_for_a_commit_being_carried(cp: tp.RecoveryCheckpointer) -> None:
+    """While a task's put_writes carries a held commit (taken from the holding map, not yet
+    durable), an append of the thread's later events waits for it: the log keeps the call's
+    ``tool_succeeded`` before the step's ``step_completed``, even though nothing is held."""
+    import threading
+    from dataclasses import replace
+    from datetime import UTC, datetime
+
+    from taskpilots_graph.events import EventKind, prepare_event
+    from taskpilots_graph.ledger import LedgerEntry, args_digest
+
+    now = datetime.now(UTC)
+    intended = LedgerEntry(
+        key="k-carried", thread_id="t-order", checkpoint_ns="", tool="open_ticket",
+        tool_call_id="call-1", status=LedgerStatus.INTENDED, args={"s": 1},
+        args_digest=args_digest({"s": 1}), attempt=1, created_at=now, updated_at=now,
+    )  # fmt: skip
+
+    def event(kind: EventKind) -> Any:
+        return prepare_event(
+            "t-order", kind, {"key": "k-carried"}, checkpoint_id=None, checkpoint_ns=""
+        )
+
+    cp.write_ledger(intended, expect=None, events=[event(EventKind.TOOL_INVOKED)])
+    committed = replace(intended, status=LedgerStatus.COMMITTED)
+    held = cp.hold_commit(
+        committed,
+        expect=(LedgerStatus.INTENDED, 1),
+        events=[event(EventKind.TOOL_SUCCEEDED)],
+        task_id="task-1",
+    )
+    assert held  # this saver carries commits in its put_writes
+
+    carrying, release = threading.Event(), threading.Event()
+    carry = cp._carry
+
+    def slow_carry(*args: Any) -> None:
+        carrying.set()
+        release.wait(10)
+        carry(*args)
+
+    cp._carry = slow_carry  # type: ignore[method-assign]
+    config = {"configurable": {"thread_id": "t-order", "checkpoint_ns": "", "checkpoint_id": "c1"}}
+    writer = threading.Thread(target=cp.put_writes, args=(config, [("messages", "x")], "task-1"))
+    writer.start()
+    assert carrying.wait(10)
+    appender = threading.Thread(target=cp.append_records, args=([event(EventKind.STEP_COMPLETED)],))
+    appender.start()
+    appender.join(0.5)
+    waited = appender.is_alive()  # still waiting for the commit on its way
+    release.set()
+    writer.join(10)
+    appender.join(10)
+
+    assert waited
+    kinds = [e.kind for e in cp.events("t-order")]
+    assert kinds == [EventKind.TOOL_INVOKED, EventKind.TOOL_SUCCEEDED, EventKind.STEP_COMPLETED]
+    assert cp.ledger_entry("k-carried").status is LedgerStatus.COMMITTED

@@ -106,6 +106,7 @@ class RecoveryAPI(DelegatingSaver):
         self._deferred()  # created now, so that the view shares them
         self._deferred_lock()
         self._held_commits()
+        self._commit_holding()
         self._commit_mutex("")
         self._inputs_by_hold()
         self._effects_by_hold()
@@ -337,6 +338,7 @@ class RecoveryAPI(DelegatingSaver):
         commit = HeldCommit(entry, expect, tuple(events), task_id)
         with self._deferred_lock():
             self._held_commits().setdefault(entry.thread_id, []).append(commit)
+            self._commit_holding()[0] = True
         self._note_effect(entry)
         return True
 
@@ -350,8 +352,14 @@ class RecoveryAPI(DelegatingSaver):
         )
         return stripes[hash(thread_id) % _MUTEX_STRIPES]
 
+    def _commit_holding(self) -> list[bool]:
+        return self._shared("_commit_holding_flag", lambda: [False])
+
     def _holds_commits(self) -> bool:
-        return bool(self.__dict__.get("_held_commit_map"))
+        # Once any commit was held, a put_writes may be carrying one: taken from the map,
+        # not yet durable. From then on writers take the thread's mutex to wait for it
+        # (an empty map does not mean that nothing is on its way).
+        return self._commit_holding()[0]
 
     def _held_threads(self, thread_id: str | None = None, *, key: str | None = None) -> set[str]:
         """Threads holding commits: ``thread_id``'s, the one of entry ``key``, or all."""
@@ -372,7 +380,7 @@ class RecoveryAPI(DelegatingSaver):
             deferred = self._deferred()
             if not records and not any(deferred.get(t) for t in threads):
                 return set()
-        return {t for t in threads if self._held_threads(t)}
+        return threads  # held or being carried: _flush_held waits on the thread's mutex
 
     def _take_held(
         self, thread_id: str, which: Callable[[HeldCommit], bool] = lambda c: not c.parked
