@@ -23,12 +23,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 from langchain_core.runnables import RunnableConfig
-from langgraph.checkpoint.base import (
-    ChannelVersions,
-    Checkpoint,
-    CheckpointMetadata,
-    CheckpointTuple,
-)
 
 from taskpilots_graph._twins import Steps, arun_steps, asynced, io, run_steps, synced
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
@@ -435,35 +429,14 @@ class RecoveryAPI(DelegatingSaver):
             with self._commit_mutex(thread_id):
                 self._take_held(thread_id, lambda c: c.parked)
 
-    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+    def _before_read(self, config: RunnableConfig) -> Steps[None]:
         self._drop_parked(config)
-        return super().get_tuple(config)
+        yield from ()
 
-    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        self._drop_parked(config)
-        return await super().aget_tuple(config)
-
-    def put(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
+    def _before_put(self, config: RunnableConfig) -> Steps[None]:
         # Before the checkpoint that completes a step: that step's commits are durable
         # (carried by a put_writes that ended, or written here).
-        self._flush_held([_thread_of(config)], parked=True)
-        return super().put(config, checkpoint, metadata, new_versions)
-
-    async def aput(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        await self._aflush_held([_thread_of(config)], parked=True)
-        return await super().aput(config, checkpoint, metadata, new_versions)
+        yield io(self, "_flush_held", [_thread_of(config)], parked=True)
 
     def put_writes(
         self,

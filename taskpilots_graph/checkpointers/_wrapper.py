@@ -324,8 +324,17 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             else:
                 yield io(self.inner, "put_writes", *args)
 
+    def _before_read(self, config: RunnableConfig) -> Steps[None]:
+        """What a subclass does before a checkpoint of ``config``'s thread is read."""
+        yield from ()
+
+    def _before_put(self, config: RunnableConfig) -> Steps[None]:
+        """What a subclass does before a checkpoint of ``config``'s thread is written."""
+        yield from ()
+
     def _get_tuple(self, config: RunnableConfig) -> Steps[CheckpointTuple | None]:
         _checked(config)
+        yield from self._before_read(config)
         with mapped_errors("get_tuple"):
             if self.held is not None:
                 yield from self._held_calls(self.held.release(config))
@@ -372,6 +381,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         new_versions: ChannelVersions,
     ) -> Steps[RunnableConfig]:
         _checked(config)
+        yield from self._before_put(config)
         with mapped_errors("put"):
             if self.held is None:
                 return (yield from self._store(config, checkpoint, metadata, new_versions))
