@@ -75,6 +75,14 @@ _FAILURES: dict[str, Callable[[str], BaseException]] = {
 }
 
 
+def _reference(db: sqlite3.Connection, tool: str, row_id: int) -> str:
+    """The reference the service gives the effect of call ``row_id``: numbered per tool, so
+    that it does not depend on the order in which calls of other tools arrived (the
+    middleware form runs one message's calls concurrently)."""
+    query = "SELECT COUNT(*) FROM calls WHERE tool = ? AND id <= ?"
+    return f"{tool}-{db.execute(query, (tool, row_id)).fetchone()[0]}"
+
+
 class World:
     """The service, on one SQLite file of its own (WAL, synchronous: survives SIGKILL)."""
 
@@ -130,7 +138,7 @@ class World:
                 "AND outcome IN ('ok', 'lost', 'crash', 'kill') ORDER BY id LIMIT 1",
                 (tool, key),
             ).fetchone()
-        return None if row is None else f"{tool}-{row[0]}"
+            return None if row is None else _reference(db, tool, int(row[0]))
 
     # -- the calls the tools make ------------------------------------------------------------
 
@@ -148,7 +156,7 @@ class World:
                 "INSERT INTO calls (tool, args, request_key, outcome) VALUES (?, ?, ?, ?)",
                 (tool, json.dumps(args, sort_keys=True), key, action),
             )
-            ref = f"{tool}-{cur.lastrowid}"
+            ref = _reference(db, tool, int(cur.lastrowid or 0))
         if action in _FAILURES:
             raise _FAILURES[action](tool)
         if action == "lost":
