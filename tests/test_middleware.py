@@ -337,6 +337,40 @@ def test_abandon_compensates_committed_effects(
     assert EventKind.COMPENSATED.value in _kinds(cp, "t-x")
 
 
+def test_abandon_through_stream_ends_the_run_and_the_same_answer_again_changes_nothing(
+    cp: tp.RecoveryCheckpointer, services: Services
+) -> None:
+    """Abandon answered through LangGraph's own ``stream(Command(resume=...))``: the undo runs
+    once, the model is not asked again (the run ends on the library's stop message, not the
+    model's "done"), and streaming the same answer again undoes nothing more."""
+    undone: list[str] = []
+
+    @tool
+    def tag(customer: str) -> str:
+        """Tag a customer."""
+        return services.crm_tag(customer, "vip", tp.current_invocation().key)
+
+    tagged = tp.side_effect(tag, idempotent=True, compensate=lambda k, a, r: undone.append(k))
+    agent = create_agent(
+        PlanModel(plan=[("tag", {"customer": "c-1"}), ("open_ticket", {"subject": "$msg"})]),
+        [tagged, ticket_tool(services, precheck=False)],
+        checkpointer=cp,
+        middleware=[RecoveryMiddleware(cp, default_policy=FAST)],
+    )
+    paused = agent.invoke({"messages": [("user", "t-s")]}, _config("t-s"))
+    (pending,) = paused["__interrupt__"]
+    answer = Command(resume={pending.id: {"action": "abandon"}})
+    for _ in range(2):  # the same command, run twice
+        for _ in agent.stream(answer, _config("t-s")):
+            pass
+    messages = agent.get_state(_config("t-s")).values["messages"]
+    assert str(messages[-1].content).startswith("Stopped: a person abandoned this task")
+    assert not any(m.type == "ai" and m.content == "done" for m in messages)
+    assert len(undone) == 1
+    finished = [e for e in cp.events("t-s") if e.kind is EventKind.AGENT_FINISHED]
+    assert [e.payload.get("reason") for e in finished] == ["abandoned by a person"]
+
+
 def test_edit_args_runs_under_a_new_key(cp: tp.RecoveryCheckpointer, services: Services) -> None:
     """edit_args (answered with Command(resume=...)): the old key is closed for good and the
     call runs with the new arguments under a new key."""
