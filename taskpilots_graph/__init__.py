@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     )
     from taskpilots_graph.metrics import RecoveryMetrics, arecovery_metrics, recovery_metrics
     from taskpilots_graph.middleware import RecoveryMiddleware
-    from taskpilots_graph.nodes.toolnode import ToolNode
+    from taskpilots_graph.middleware.toolnode import ToolNode
     from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
     from taskpilots_graph.runner import aresume, arewind, arun, resume, rewind, run
     from taskpilots_graph.takeover import Decision, TakeoverRequest
@@ -61,7 +61,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "ledger": ("Done", "LedgerEntry", "LedgerStatus", "NotDone", "SideEffectUncertain", "Unknown"),
     "metrics": ("RecoveryMetrics", "arecovery_metrics", "recovery_metrics"),
     "middleware": ("RecoveryMiddleware",),
-    "nodes.toolnode": ("ToolNode",),
+    "middleware.toolnode": ("ToolNode",),
     "policy": ("Backoff", "ModelPolicy", "ToolPolicy"),
     "runner": ("aresume", "arewind", "arun", "resume", "rewind", "run"),
     "takeover": ("Decision", "TakeoverRequest"),

@@ -21,7 +21,8 @@ from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.checkpointers.density import CheckpointDensity, Density
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.guard import aguard_thread, guard_thread
-from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.leases import DEFAULT_LEASE_TTL, LeaseBackend
+from taskpilots_graph.locks import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.nodes.compensate import CompensateNode
 from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
 from taskpilots_graph.nodes.router import RecoveryRouter, WaitNode, fail_run
@@ -29,29 +30,11 @@ from taskpilots_graph.nodes.takeover import TakeoverNode
 from taskpilots_graph.nodes.think import ResumeContext, ThinkNode
 from taskpilots_graph.policy import ModelPolicy, ToolPolicy
 from taskpilots_graph.state import RecoveryState
+from taskpilots_graph.tool_tables import find_executor, node_owner
 from taskpilots_graph.tools import spec_of
 from taskpilots_graph.window import MemoryWindow, ObservationPolicy
 
 __all__ = ["RecoveryGraph", "check_retry_owner", "create_recovery_agent"]
-
-
-def node_owner(runnable: Any) -> Any:
-    """The object whose bound method a graph node runs (our node classes), or ``None``."""
-    func = getattr(runnable, "func", None) or getattr(runnable, "afunc", None) or runnable
-    return getattr(func, "__self__", None)
-
-
-def find_executor(graph: Any) -> RecoveryExecutor | None:
-    """The recovery executor of a graph (compiled or builder), if it has one."""
-    builder = getattr(graph, "builder", graph)
-    for spec in getattr(builder, "nodes", {}).values():
-        if isinstance(owner := node_owner(spec.runnable), RecoveryExecutor):
-            return owner
-    return None
-
-
-DEFAULT_LEASE_TTL = 30.0
-"""TTL of the thread lease of a graph that names none (e.g. ``create_agent`` graphs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +68,9 @@ def lease_source(graph: Any) -> LeaseSource | None:
             return LeaseSource(owner.lease_backend, owner.alease_backend, float(owner.lease_ttl))
     cp = getattr(graph, "checkpointer", None)
     if isinstance(cp, RecoveryAPI):
-        return LeaseSource(cp.lease_backend, cp.alease_backend, DEFAULT_LEASE_TTL)
+        return LeaseSource(
+            lambda: default_lease_backend(cp), lambda: adefault_lease_backend(cp), DEFAULT_LEASE_TTL
+        )
     return None
 
 
@@ -224,7 +209,7 @@ def create_recovery_agent(
     name: str = "recovery_agent",
     rng: random.Random | None = None,
     leases: LeaseBackend | None = None,
-    lease_ttl: float = 30.0,
+    lease_ttl: float = DEFAULT_LEASE_TTL,
     observations: ObservationPolicy | None = _DEFAULT_OBSERVATIONS,
     memory_window: MemoryWindow | None = None,
     checkpoint_density: Density = "every_step",

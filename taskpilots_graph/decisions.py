@@ -19,7 +19,6 @@ from pydantic import BaseModel, ValidationError
 
 from taskpilots_graph import _thread_index
 from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
-from taskpilots_graph.agent import find_executor
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import (
     InvalidDecision,
@@ -33,6 +32,7 @@ from taskpilots_graph.nodes.takeover import targets
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.runner import aleased_thread, graph_saver, leased_thread, thread_config
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
+from taskpilots_graph.tool_tables import find_executor
 
 __all__ = ["adecide", "apending_takeovers", "decide", "pending_takeovers"]
 

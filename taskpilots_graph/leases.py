@@ -33,6 +33,7 @@ from taskpilots_graph.errors import ConfigurationError, ThreadBusy
 
 __all__ = [
     "BUSINESS_LOCK_PREFIX",
+    "DEFAULT_LEASE_TTL",
     "MAX_NAME_LENGTH",
     "MAX_TTL_S",
     "MIN_TTL_S",
@@ -62,6 +63,8 @@ BUSINESS_LOCK_PREFIX: Final = "lock:"
 MAX_NAME_LENGTH: Final = 1024
 MIN_TTL_S: Final = 0.01
 MAX_TTL_S: Final = 7 * 24 * 3600.0
+DEFAULT_LEASE_TTL: Final = 30.0
+"""TTL of the thread lease of a graph that names none (e.g. ``create_agent`` graphs)."""
 
 # Clock-drift allowance of a holder's own validity estimate (the Redlock rule): 1 % of the
 # TTL plus 2 ms. Clocks of two machines run at slightly different rates; a holder that trusts

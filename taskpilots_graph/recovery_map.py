@@ -26,13 +26,13 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from taskpilots_graph.agent import find_executor
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.failures import FailureKind
 from taskpilots_graph.ledger import SideEffectSpec, Step, Unknown, step_after_precheck
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.policy import Backoff, ToolPolicy
 from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
+from taskpilots_graph.tool_tables import find_executor
 from taskpilots_graph.tools import spec_of
 
 __all__ = ["MAP_KINDS", "EffectClass", "RecoveryMap", "ToolRecovery", "recovery_map"]

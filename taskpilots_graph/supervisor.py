@@ -48,7 +48,6 @@ from langgraph.pregel import Pregel
 from taskpilots_graph import _clock
 from taskpilots_graph._thread_index import athread_index, thread_index
 from taskpilots_graph._twins import IO, Steps, arun_steps, both, io, run_steps
-from taskpilots_graph.agent import find_executor
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.errors import (
@@ -73,6 +72,7 @@ from taskpilots_graph.health import (
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.runner import aleased_thread, leased_thread, thread_config
+from taskpilots_graph.tool_tables import find_executor
 
 __all__ = [
     "Supervisor",

@@ -50,7 +50,7 @@ from taskpilots_graph import _clock
 from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine import AsyncDriver, CallContext, Driver, call_context
-from taskpilots_graph.engine._protocol import settle_orphan
+from taskpilots_graph.engine._reconcile import settle_orphan
 from taskpilots_graph.errors import PendingTakeover, ToolWaiting
 from taskpilots_graph.events import Event, EventKind, EventRecord, prepare_event
 from taskpilots_graph.ledger import (
@@ -61,6 +61,7 @@ from taskpilots_graph.ledger import (
     SideEffectUncertain,
     runner_of,
 )
+from taskpilots_graph.locks import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.nodes.executor import pending_calls
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.tools import spec_of
@@ -182,8 +183,8 @@ def reconcile_steps(
             outcomes.append(OrphanOutcome(entry.key, entry.tool, entry.status, "unknown_tool"))
             continue
         # Nothing runs and no intent is written: no tool, lease or lock is involved.
-        driver = Driver(cp, thread_id, cp.lease_backend, 30.0, None)
-        adriver = AsyncDriver(cp, thread_id, cp.alease_backend, 30.0, None)
+        driver = Driver(cp, thread_id, lambda: default_lease_backend(cp), 30.0, None)
+        adriver = AsyncDriver(cp, thread_id, lambda: adefault_lease_backend(cp), 30.0, None)
         protocol = settle_orphan(_orphan_context(entry, spec), entry)
         label = yield both(driver.drive, adriver.drive, protocol)
         outcomes.append(OrphanOutcome(entry.key, entry.tool, _SETTLED[label], label))

@@ -41,6 +41,7 @@ from taskpilots_graph.errors import ConfigurationError, EffectInProgress, Invali
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.leases import thread_lease_name
 from taskpilots_graph.ledger import CompensationUncertain, LedgerEntry, LedgerStatus
+from taskpilots_graph.locks import default_lease_backend
 from taskpilots_graph.nodes._undo import UNDO_OF, is_undo, undo_key
 from taskpilots_graph.nodes.compensate import (
     ABANDONED,
@@ -614,7 +615,7 @@ def test_a_live_undo_elsewhere_is_waited_for_never_run_against(cp: Any, services
         extra={UNDO_OF: effect.key},
     )
     cp.write_ledger(live, expect=None)
-    backend = cp.lease_backend()
+    backend = default_lease_backend(cp)
     held = backend.acquire(thread_lease_name("parent"), "elsewhere:1:other-runner", 30.0)
     assert held is not None
 

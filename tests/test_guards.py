@@ -40,7 +40,12 @@ from taskpilots_graph import RecoveryCheckpointer
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.errors import EffectInProgress, NoPendingTakeover
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, args_digest
-from taskpilots_graph.locks import SqliteLeaseBackend, business_lock_name, thread_lease_name
+from taskpilots_graph.locks import (
+    SqliteLeaseBackend,
+    business_lock_name,
+    default_lease_backend,
+    thread_lease_name,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -300,7 +305,7 @@ def _live_owner(cp: RecoveryCheckpointer, order: str) -> tuple[LedgerEntry, Any]
     """Another runner's refund in progress: its intent written, its thread lease held."""
     entry = _intent("owner", order)
     cp.write_ledger(entry, expect=None)
-    lease = cp.lease_backend().acquire(thread_lease_name("owner"), "elsewhere:1:abc", 30)
+    lease = default_lease_backend(cp).acquire(thread_lease_name("owner"), "elsewhere:1:abc", 30)
     assert lease is not None
     return entry, lease
 
@@ -372,7 +377,7 @@ def test_intent_whose_owner_is_gone_is_reconciled(sqlite_cp: RecoveryCheckpointe
     _, lease = _live_owner(sqlite_cp, "o1")
     counter = Counter(done="refund-found-by-precheck")
     graph = _refund_agent(sqlite_cp, counter)
-    timer = threading.Timer(0.4, sqlite_cp.lease_backend().release, args=(lease,))
+    timer = threading.Timer(0.4, default_lease_backend(sqlite_cp).release, args=(lease,))
     timer.start()
     try:
         values = graph.invoke(_go(), _on("waiter"))
@@ -538,7 +543,7 @@ def test_lock_is_enforced_for_the_middleware_agent(sqlite_cp: RecoveryCheckpoint
     from langchain.agents import create_agent
 
     counter = Counter()
-    held = sqlite_cp.lease_backend().acquire(
+    held = default_lease_backend(sqlite_cp).acquire(
         business_lock_name("order:o1", "refund"), "elsewhere:1:abc", 30
     )
     assert held is not None
@@ -553,11 +558,11 @@ def test_lock_is_enforced_for_the_middleware_agent(sqlite_cp: RecoveryCheckpoint
     assert counter.calls == 0
     assert sqlite_cp.ledger("m") == []  # not even an intent
 
-    assert sqlite_cp.lease_backend().release(held)
+    assert default_lease_backend(sqlite_cp).release(held)
     during: list[Any] = []
 
     def refund(order: str) -> str:
-        during.append(sqlite_cp.lease_backend().holder(thread_lease_name("m2")))
+        during.append(default_lease_backend(sqlite_cp).holder(thread_lease_name("m2")))
         second: list[BaseException] = []
 
         def other() -> None:
@@ -604,7 +609,7 @@ def test_unfinished_work_is_settled_once_per_call_under_the_lease(
 
     def before_run(graph: Any, config: Any, input: Any) -> Any:
         thread_id = config["configurable"]["thread_id"]
-        held.append(cp.lease_backend().holder(thread_lease_name(thread_id)))
+        held.append(default_lease_backend(cp).holder(thread_lease_name(thread_id)))
         return input
 
     async def abefore_run(graph: Any, config: Any, input: Any) -> Any:
@@ -646,20 +651,15 @@ def test_lease_of_a_killed_worker_on_this_machine_is_taken_over(db: str) -> None
         graph = tp.create_recovery_agent(PlanModel(plan=[]), [], checkpointer=cp)
         values = graph.invoke(_go(), _on("k"))
         assert str(values["messages"][-1].content) == "done"
-        assert cp.lease_backend().holder(thread_lease_name("k")) is None
+        assert default_lease_backend(cp).holder(thread_lease_name("k")) is None
 
 
 def test_a_conflict_on_the_commit_says_the_run_performed_the_effect() -> None:
     """The protocol, driven by hand: another run moves the entry while our call runs, so
     our commit is refused. The error must not claim the effect was not performed."""
-    from taskpilots_graph.engine._protocol import (
-        CallContext,
-        CheckArgs,
-        FindRepeat,
-        RunTool,
-        WriteEntry,
-        run_call,
-    )
+    from taskpilots_graph.engine._call import CallContext
+    from taskpilots_graph.engine._protocol import run_call
+    from taskpilots_graph.engine._requests import CheckArgs, FindRepeat, RunTool, WriteEntry
     from taskpilots_graph.errors import LedgerConflict
     from taskpilots_graph.ledger import SideEffectSpec
 

@@ -29,19 +29,6 @@ PRESENTATION = frozenset({"notebook", "web", "cli"})
 # Parts that present or drive the package from outside; they may import presentation.
 OUTSIDE_DOMAIN = PRESENTATION | {"demo"}
 
-# Imports deferred into a function on purpose, left out of the cycle check. Each names why.
-DEFERRED = {
-    # The checkpointer offers the lease backend of its own database (``cp.lease_backend()``);
-    # those backends (locks.sqlite, locks.postgres) set up their tables through the stores,
-    # so the lookup is imported when called. Moving it off the checkpointer means changing
-    # every caller of ``lease_backend()``.
-    ("checkpointers", "locks"),
-}
-# A cycle among the tool-call parts (the agent, its nodes, the middleware, the settling of
-# unfinished work and the tools it finds in a graph), listed so that no new part joins it
-# and no new cycle appears elsewhere.
-KNOWN_CYCLE = frozenset({"agent", "middleware", "nodes", "tool_tables", "unfinished"})
-
 
 def _module_name(root: Path, path: Path) -> str:
     rel = path.relative_to(root.parent).with_suffix("")
@@ -109,9 +96,8 @@ def cycles(graph: dict[tuple[str, str], list[str]]) -> list[frozenset[str]]:
     """The strongly connected parts of the import graph that hold more than one part."""
     succ: dict[str, set[str]] = {}
     for a, b in graph:
-        if (a, b) not in DEFERRED:
-            succ.setdefault(a, set()).add(b)
-            succ.setdefault(b, set())
+        succ.setdefault(a, set()).add(b)
+        succ.setdefault(b, set())
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -145,7 +131,7 @@ def cycles(graph: dict[tuple[str, str], list[str]]) -> list[frozenset[str]]:
 def unexpected_cycles(root: Path) -> list[list[str]]:
     # Runtime imports: an import made for type checking only (``if TYPE_CHECKING:``) is
     # never executed, so it cannot make a cycle at import time.
-    return [sorted(c) for c in cycles(edges(root, types=False)) if not c <= KNOWN_CYCLE]
+    return [sorted(c) for c in cycles(edges(root, types=False))]
 
 
 def presentation_imports(root: Path) -> list[str]:
@@ -171,11 +157,11 @@ def _spoil(module: Path, line: str) -> None:
 
 
 def test_no_import_cycle_between_parts() -> None:
-    """The locks sit above the checkpointers, and no new cycle appears anywhere."""
+    """The locks sit above the checkpointers, and no cycle appears anywhere."""
     assert unexpected_cycles(PACKAGE) == []
     graph = edges(PACKAGE, types=False)
     assert ("locks", "checkpointers") in graph  # the lock backends set up through the stores
-    assert [e for e in graph if e == ("checkpointers", "locks") and e not in DEFERRED] == []
+    assert ("checkpointers", "locks") not in graph  # not even deferred into a function
 
 
 def test_the_cycle_check_sees_a_deferred_import(broken_copy: Path) -> None:

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 import taskpilots_graph as tp
 from taskpilots_graph.cli import app
-from taskpilots_graph.engine._protocol import SUMMARY_CHARS
+from taskpilots_graph.engine._records import SUMMARY_CHARS
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.prompts.resume import RESUME_NAME
 from taskpilots_graph.testing import fake_clock

@@ -37,8 +37,10 @@ from test_ledger_rules import (
 
 import taskpilots_graph as tp
 from taskpilots_graph.drift import is_placeholder, placeholder, result_digest, unserialisable
+from taskpilots_graph.engine._call import CallContext
 from taskpilots_graph.engine._precheck import acall_precheck, call_precheck
-from taskpilots_graph.engine._protocol import CallContext, RunPrecheck, recordable
+from taskpilots_graph.engine._records import recordable
+from taskpilots_graph.engine._requests import RunPrecheck
 from taskpilots_graph.errors import PrecheckError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus, SideEffectSpec

@@ -43,7 +43,12 @@ from taskpilots_graph.config import (
 from taskpilots_graph.errors import ToolWaiting
 from taskpilots_graph.health import Attribution, HealthStatus, ThreadHealth, with_effect_in_flight
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
-from taskpilots_graph.locks import LeaseBackend, lease_backend_from_url, thread_lease_name
+from taskpilots_graph.locks import (
+    LeaseBackend,
+    default_lease_backend,
+    lease_backend_from_url,
+    thread_lease_name,
+)
 from taskpilots_graph.policy import Backoff, ToolPolicy
 from taskpilots_graph.supervisor import Supervisor, asupervise, recover, supervise
 
@@ -332,7 +337,7 @@ def test_supervisor_uses_the_checkpointers_leases_when_none_is_named(
     the supervisor reads them there; a bad interval is still a configuration error."""
     cp, _ = embedded
     graph = _agent(cp, None, World())
-    assert Supervisor(graph).leases is cp.lease_backend()
+    assert Supervisor(graph).leases is default_lease_backend(cp)
     with pytest.raises(tp.ConfigurationError, match="interval"):
         supervise(_agent(cp, embedded[1], World()), interval=0)
 

@@ -26,6 +26,7 @@ import taskpilots_graph as tp
 from taskpilots_graph.demo.services import Services
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus
+from taskpilots_graph.locks import default_lease_backend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _middleware_worker import FAST, ticket_tool
@@ -271,7 +272,7 @@ def test_a_second_runner_of_the_thread_gets_thread_busy(
     _, declared = ticket_tools(services)
     graph = build_graph(tp.ToolNode([declared]), cp)
     with (
-        hold(cp.lease_backend(), thread_lease_name("t-1"), ttl=30, owner="other-worker"),
+        hold(default_lease_backend(cp), thread_lease_name("t-1"), ttl=30, owner="other-worker"),
         pytest.raises(tp.ThreadBusy),
     ):
         graph.invoke({"messages": [("user", "t-1")]}, _config("t-1"))

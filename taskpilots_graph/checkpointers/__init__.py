@@ -22,6 +22,11 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
+from taskpilots_graph.checkpointers._sqlite_connect import (
+    RidingSqliteSaver,
+    mapped_errors,
+    open_sqlite,
+)
 from taskpilots_graph.checkpointers.artifacts import (
     ArtifactRef,
     ArtifactStore,
@@ -36,12 +41,7 @@ from taskpilots_graph.checkpointers.base import (
 )
 from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import (
-    RidingSqliteSaver,
-    SqliteStore,
-    mapped_errors,
-    open_sqlite,
-)
+from taskpilots_graph.checkpointers.sqlite import SqliteStore
 from taskpilots_graph.errors import ConfigurationError
 
 __all__ = [

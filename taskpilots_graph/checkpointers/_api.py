@@ -117,27 +117,6 @@ class RecoveryAPI(DelegatingSaver):
         found: T | None = self.__dict__.get(name)
         return found if found is not None else self.__dict__.setdefault(name, make())
 
-    # -- leases ------------------------------------------------------------------------------
-
-    def lease_backend(self) -> LeaseBackend:
-        """The lease backend living in this checkpointer's own database.
-
-        Thread leases and business locks use it when no backend is named, so a graph run
-        with nothing configured is still guarded: the SQLite file, the PostgreSQL database,
-        or (in memory) one backend shared by every view of this checkpointer. See
-        :mod:`taskpilots_graph.locks.default`.
-        """
-        # Imported here: the locks package imports the stores (the other direction).
-        from taskpilots_graph.locks.default import default_lease_backend
-
-        return default_lease_backend(getattr(self, "store", None))
-
-    async def alease_backend(self) -> LeaseBackend:
-        """Async form of :meth:`lease_backend`."""
-        from taskpilots_graph.locks.default import adefault_lease_backend
-
-        return await adefault_lease_backend(getattr(self, "store", None))
-
     # -- event log ---------------------------------------------------------------------------
 
     def _append_event(

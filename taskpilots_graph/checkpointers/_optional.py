@@ -73,9 +73,9 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
+from taskpilots_graph.checkpointers._sqlite_connect import mapped_errors
 from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
-from taskpilots_graph.checkpointers.sqlite import mapped_errors
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
 from taskpilots_graph.events import Event, EventRecord, check_thread_id, encode_payload
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, Step, default_key, next_step

@@ -32,6 +32,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
+from taskpilots_graph.checkpointers._sqlite_connect import mapped_errors
 from taskpilots_graph.checkpointers.density import HeldCheckpoints
 from taskpilots_graph.checkpointers.messages import (
     LoadedRow,
@@ -46,7 +47,6 @@ from taskpilots_graph.checkpointers.messages import (
     riding,
     with_values,
 )
-from taskpilots_graph.checkpointers.sqlite import mapped_errors
 from taskpilots_graph.errors import CorruptRecordError
 from taskpilots_graph.events import check_thread_id
 

@@ -12,6 +12,11 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
+from taskpilots_graph.checkpointers._sqlite_connect import (
+    RidingAsyncSqliteSaver,
+    mapped_errors,
+    open_sqlite,
+)
 from taskpilots_graph.checkpointers.artifacts import ArtifactStore
 from taskpilots_graph.checkpointers.base import (
     DEFAULT_POOL_SIZE,
@@ -21,14 +26,8 @@ from taskpilots_graph.checkpointers.base import (
 )
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
-from taskpilots_graph.checkpointers.sqlite import (
-    AsyncSqliteStore,
-    RidingAsyncSqliteSaver,
-    mapped_errors,
-    open_sqlite,
-)
+from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.leases import LeaseBackend
 
 __all__ = ["AsyncRecoveryCheckpointer"]
 
@@ -154,13 +153,6 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._sync(getattr(self.store, method)(*args, **kwargs))
-
-    def lease_backend(self) -> LeaseBackend:
-        """The lease backend in this checkpointer's own database (found on its loop)."""
-        from taskpilots_graph.locks.default import adefault_lease_backend, cached_lease_backend
-
-        found = cached_lease_backend(self.store)
-        return found if found is not None else self._sync(adefault_lease_backend(self.store))
 
     async def _acall(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await getattr(self.store, method)(*args, **kwargs)

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Final
 from langgraph.pregel import Pregel
 
 from taskpilots_graph import _clock, runner
-from taskpilots_graph.agent import find_executor
 from taskpilots_graph.coordinator._log import ParentLog
 from taskpilots_graph.coordinator._plan import (
     FailureAttribution,
@@ -56,6 +55,7 @@ from taskpilots_graph.leases import Lease, LeaseBackend, new_owner, thread_lease
 from taskpilots_graph.ledger import LedgerStatus
 from taskpilots_graph.nodes.compensate import compensate_effect
 from taskpilots_graph.threads import thread_info
+from taskpilots_graph.tool_tables import find_executor
 from taskpilots_graph.tools import spec_of
 
 if TYPE_CHECKING:

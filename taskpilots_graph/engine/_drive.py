@@ -3,26 +3,28 @@
 They serve every caller (the executor, ``RecoveryMiddleware``, an undo, an orphan intent):
 ledger reads and writes (a write carries the events buffered before it), the wait for a
 live intent's owner, the pre-check and the tool, with the call's thread lease and business
-lock (:class:`~._locks.CallLocks`). Callers differ only in ``run_tool``, ``check_args``
-and the requests of their own (``other``).
+lock (:class:`~._locks.CallLocks`), in one body that each driver runs in its form
+(:mod:`taskpilots_graph._twins`). Callers differ only in ``run_tool``, ``check_args`` and
+the requests of their own (``other``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from langgraph.config import get_config
 
 from taskpilots_graph._compat import task_durability, task_id
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
-from taskpilots_graph.engine._await import aawait_owner, await_owner
+from taskpilots_graph.engine._await import await_owner
 from taskpilots_graph.engine._locks import CallLocks
 from taskpilots_graph.engine._precheck import acall_precheck, call_precheck
-from taskpilots_graph.engine._protocol import (
+from taskpilots_graph.engine._requests import (
     AwaitOwner,
     CheckArgs,
     FindPrevious,
@@ -37,6 +39,7 @@ from taskpilots_graph.engine._protocol import (
 from taskpilots_graph.errors import ConfigurationError, LedgerConflict
 from taskpilots_graph.events import EventRecord
 from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.locks import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.tools import reset_invocation, set_invocation
 
 __all__ = ["AsyncDriver", "Driver", "LeaseOwner"]
@@ -59,11 +62,12 @@ class LeaseOwner:
         self.leases, self.lease_ttl = leases, float(lease_ttl)
 
     def lease_backend(self) -> LeaseBackend:
-        return self.leases if self.leases is not None else self.checkpointer.lease_backend()
+        return self.leases if self.leases is not None else default_lease_backend(self.checkpointer)
 
     async def alease_backend(self) -> LeaseBackend:
         """Async form of :meth:`lease_backend`."""
-        return self.leases if self.leases is not None else await self.checkpointer.alease_backend()
+        cp = self.checkpointer
+        return self.leases if self.leases is not None else await adefault_lease_backend(cp)
 
 
 def _task_id() -> str | None:
@@ -114,13 +118,74 @@ class _Carrier:
             return None
         return _LOCAL
 
-    def _batch(self, request: WriteEntry) -> list[EventRecord]:
+    def _drive(self, gen: Generator[Any, Any, T], held: Any) -> Steps[T]:
+        """Both drivers' loop; ``held``: the (async) exit stack of the call's business lock."""
+        locks = CallLocks(self.thread_id, self.ttl)
+        value: Any = None
+        thrown: BaseException | None = None
+        while True:
+            try:
+                request = gen.throw(thrown) if thrown is not None else gen.send(value)
+            except StopIteration as stop:
+                return cast(T, stop.value)
+            value, thrown = None, None
+            request = self._guarded(request, locks)
+            try:
+                if isinstance(request, WriteEntry):
+                    take = (locks.before_write, locks.abefore_write)
+                    entry = yield both(*take, request.entry, self.backend, held)
+                    value = yield from self._write(replace(request, entry=entry))
+                elif (value := self._local(request)) is _LOCAL:
+                    value = yield from self._io(request)
+            except Exception as exc:  # the protocol lets LangGraph control flow through
+                thrown = exc
+
+    def _write(self, request: WriteEntry) -> Steps[Any]:
+        entry, expect = request.entry, request.expect
+        with self._batched(request) as events:
+            # Only the sync saver's put_writes carry a commit (``RecoveryAPI.hold_commit``).
+            if (yield both(_held, lambda *_: False, self.cp, request, events)):
+                return []
+            return (yield io(self.cp, "write_ledger", entry, expect=expect, events=events))
+
+    def _io(self, request: Any) -> Steps[Any]:
+        """The answer to a request that needs I/O, in one body for both drivers (the async
+        driver's ``backend``, ``run_tool`` and ``other`` return awaitables)."""
+        cp = self.cp
+        if isinstance(request, RunTool):
+            assert self.run_tool is not None, "this caller's protocol runs no tool"
+            token = set_invocation(request.invocation)
+            try:
+                return (yield both(self.run_tool, self.run_tool, request))
+            finally:
+                reset_invocation(token)
+        if isinstance(request, FindRepeat):
+            asked = (request.thread_id, request.tool, request.args_digest)
+            return (yield io(cp, "committed_effect", *asked))
+        if isinstance(request, FindPrevious):
+            latest = latest_successes((yield io(cp, "events", request.thread_id)))
+            return latest.get((request.key, request.tool_call_id))
+        if isinstance(request, ReadEntry):
+            return (yield io(cp, "ledger_entry", request.key))
+        if isinstance(request, AwaitOwner):
+            backend = yield both(self.backend, self.backend)
+            return (yield from await_owner(request, backend=backend, cp=cp, timeout=self.ttl))
+        if isinstance(request, RunPrecheck):
+            assert request.call is not None, "the protocol names the call it asks about"
+            return (yield both(call_precheck, acall_precheck, request.call, request))
+        assert self.other is not None, f"unexpected request {request!r}"
+        return (yield both(self.other, self.other, request))
+
+    @contextlib.contextmanager
+    def _batched(self, request: WriteEntry) -> Iterator[list[EventRecord]]:
+        """The events to write with ``request``'s entry: those pending, then its own."""
         events = [*self.pending, request.event]
         self.pending.clear()
-        return events
-
-    def _keep(self, events: list[EventRecord]) -> None:
-        self.pending[:0] = events[:-1]  # nothing was written: the events wait for the next
+        try:
+            yield events
+        except LedgerConflict:
+            self.pending[:0] = events[:-1]  # nothing was written: the events wait for the next
+            raise
 
 
 @dataclass
@@ -129,63 +194,8 @@ class Driver(_Carrier):
 
     def drive(self, gen: Generator[Any, Any, T]) -> T:
         """Run ``gen`` to its end; each answer (or error) of a request is sent back into it."""
-        locks = CallLocks(self.thread_id, self.ttl)
-        value: Any = None
-        thrown: BaseException | None = None
         with contextlib.ExitStack() as held:
-            while True:
-                try:
-                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    return cast(T, stop.value)
-                value, thrown = None, None
-                request = self._guarded(request, locks)
-                try:
-                    if isinstance(request, WriteEntry):
-                        entry = locks.before_write(request.entry, self.backend, held)
-                        value = self._write(replace(request, entry=entry))
-                    else:
-                        value = self._carry(request)
-                except Exception as exc:  # the protocol lets LangGraph control flow through
-                    thrown = exc
-
-    def _write(self, request: WriteEntry) -> Any:
-        events = self._batch(request)
-        if _held(self.cp, request, events):
-            return []
-        try:
-            return self.cp.write_ledger(request.entry, expect=request.expect, events=events)
-        except LedgerConflict:
-            self._keep(events)
-            raise
-
-    def _carry(self, request: Any) -> Any:
-        if (local := self._local(request)) is not _LOCAL:
-            return local
-        cp = self.cp
-        if isinstance(request, RunTool):
-            assert self.run_tool is not None, "this caller's protocol runs no tool"
-            token = set_invocation(request.invocation)
-            try:
-                return self.run_tool(request)
-            finally:
-                reset_invocation(token)
-        if isinstance(request, FindRepeat):
-            return cp.committed_effect(request.thread_id, request.tool, request.args_digest)
-        if isinstance(request, FindPrevious):
-            latest = latest_successes(cp.events(request.thread_id))
-            return latest.get((request.key, request.tool_call_id))
-        if isinstance(request, ReadEntry):
-            return cp.ledger_entry(request.key)
-        if isinstance(request, AwaitOwner):
-            return await_owner(
-                request, backend=self.backend(), read=cp.ledger_entry, timeout=self.ttl
-            )
-        if isinstance(request, RunPrecheck):
-            assert request.call is not None, "the protocol names the call it asks about"
-            return call_precheck(request.call, request)
-        assert self.other is not None, f"unexpected request {request!r}"
-        return self.other(request)
+            return run_steps(self._drive(gen, held))
 
 
 @dataclass
@@ -194,60 +204,5 @@ class AsyncDriver(_Carrier):
 
     async def drive(self, gen: Generator[Any, Any, T]) -> T:
         """Async form of :meth:`Driver.drive`."""
-        locks = CallLocks(self.thread_id, self.ttl)
-        value: Any = None
-        thrown: BaseException | None = None
         async with contextlib.AsyncExitStack() as held:
-            while True:
-                try:
-                    request = gen.throw(thrown) if thrown is not None else gen.send(value)
-                except StopIteration as stop:
-                    return cast(T, stop.value)
-                value, thrown = None, None
-                request = self._guarded(request, locks)
-                try:
-                    if isinstance(request, WriteEntry):
-                        entry = await locks.abefore_write(request.entry, self.backend, held)
-                        value = await self._write(replace(request, entry=entry))
-                    else:
-                        value = await self._carry(request)
-                except Exception as exc:
-                    thrown = exc
-
-    async def _write(self, request: WriteEntry) -> Any:
-        # No commit is held here: the saver's async put_writes carry none (see
-        # ``RecoveryAPI.hold_commit``).
-        events = self._batch(request)
-        try:
-            return await self.cp.awrite_ledger(request.entry, expect=request.expect, events=events)
-        except LedgerConflict:
-            self._keep(events)
-            raise
-
-    async def _carry(self, request: Any) -> Any:
-        if (local := self._local(request)) is not _LOCAL:
-            return local
-        cp = self.cp
-        if isinstance(request, RunTool):
-            assert self.run_tool is not None, "this caller's protocol runs no tool"
-            token = set_invocation(request.invocation)
-            try:
-                return await self.run_tool(request)
-            finally:
-                reset_invocation(token)
-        if isinstance(request, FindRepeat):
-            return await cp.acommitted_effect(request.thread_id, request.tool, request.args_digest)
-        if isinstance(request, FindPrevious):
-            latest = latest_successes(await cp.aevents(request.thread_id))
-            return latest.get((request.key, request.tool_call_id))
-        if isinstance(request, ReadEntry):
-            return await cp.aledger_entry(request.key)
-        if isinstance(request, AwaitOwner):
-            return await aawait_owner(
-                request, backend=await self.backend(), read=cp.aledger_entry, timeout=self.ttl
-            )
-        if isinstance(request, RunPrecheck):
-            assert request.call is not None, "the protocol names the call it asks about"
-            return await acall_precheck(request.call, request)
-        assert self.other is not None, f"unexpected request {request!r}"
-        return await self.other(request)
+            return await arun_steps(self._drive(gen, held))

@@ -1,4 +1,4 @@
-"""Running a tool's pre-check for the protocol's :class:`~._protocol.RunPrecheck`, bounded.
+"""Running a tool's pre-check for the protocol's :class:`~._requests.RunPrecheck`, bounded.
 
 A pre-check that hangs must not hold the run (and its thread lease) for good, and one that
 fails must not let a non-idempotent effect run again: both answer ``Unknown``.
@@ -18,7 +18,7 @@ from typing import Any
 from langgraph.errors import GraphBubbleUp
 
 from taskpilots_graph.engine._call import CallContext
-from taskpilots_graph.engine._protocol import RunPrecheck
+from taskpilots_graph.engine._requests import RunPrecheck
 from taskpilots_graph.ledger import Unknown
 
 __all__ = ["acall_precheck", "call_precheck"]

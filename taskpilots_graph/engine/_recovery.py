@@ -8,7 +8,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.engine._records import step_event
+from taskpilots_graph.events import EventKind, EventRecord
 from taskpilots_graph.failures import FailureKind
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.recovery import Action, RecoveryDecision, decide_recovery
@@ -67,8 +68,5 @@ def transition_events(
     elif decision.action is Action.DEGRADE:
         kinds.append((EventKind.DEGRADED, {"fallback": decision.fallback}))
     return [
-        prepare_event(
-            thread_id, kind, {**extra, **base}, checkpoint_id=None, checkpoint_ns=checkpoint_ns
-        )
-        for kind, extra in kinds
+        step_event(thread_id, checkpoint_ns, kind, **{**extra, **base}) for kind, extra in kinds
     ]

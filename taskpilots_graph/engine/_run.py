@@ -14,18 +14,13 @@ metrics) reads them the same way whichever form wrote them:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
-from taskpilots_graph.engine._protocol import SUMMARY_CHARS
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.engine._records import SUMMARY_CHARS, step_event
+from taskpilots_graph.events import EventKind, EventRecord
 
 __all__ = ["answer_text", "answered", "resume_context", "run_finished", "run_started"]
-
-
-def _event(thread_id: str, checkpoint_ns: str, kind: EventKind, **payload: Any) -> EventRecord:
-    return prepare_event(thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=checkpoint_ns)
 
 
 def run_started(
@@ -36,7 +31,7 @@ def run_started(
     if not messages or not isinstance(messages[-1], HumanMessage):
         return None
     goal = str(messages[-1].content)[:SUMMARY_CHARS]
-    return _event(thread_id, checkpoint_ns, EventKind.AGENT_STARTED, goal=goal)
+    return step_event(thread_id, checkpoint_ns, EventKind.AGENT_STARTED, goal=goal)
 
 
 def answer_text(message: BaseMessage) -> str:
@@ -46,7 +41,7 @@ def answer_text(message: BaseMessage) -> str:
 
 def answered(thread_id: str, checkpoint_ns: str, ai: AIMessage) -> EventRecord:
     """``llm_decided`` for a model answer without tool calls (the run's final answer)."""
-    return _event(thread_id, checkpoint_ns, EventKind.LLM_DECIDED, content=answer_text(ai))
+    return step_event(thread_id, checkpoint_ns, EventKind.LLM_DECIDED, content=answer_text(ai))
 
 
 def run_finished(
@@ -60,7 +55,7 @@ def run_finished(
     """``agent_finished``: ``status`` ``"closed"`` with the model's ``answer``, or
     ``"failed"`` / ``"closed"`` with the ``reason`` the run stopped for."""
     extra = {k: v for k, v in (("answer", answer), ("reason", reason)) if v is not None}
-    return _event(thread_id, checkpoint_ns, EventKind.AGENT_FINISHED, status=status, **extra)
+    return step_event(thread_id, checkpoint_ns, EventKind.AGENT_FINISHED, status=status, **extra)
 
 
 def resume_context(
@@ -68,7 +63,7 @@ def resume_context(
 ) -> EventRecord:
     """``resume_context``: the resume prompt given to the model (summarised), and which
     refreshers ran for it."""
-    return _event(
+    return step_event(
         thread_id,
         checkpoint_ns,
         EventKind.RESUME_CONTEXT,

@@ -9,7 +9,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.engine._records import step_event
+from taskpilots_graph.events import EventKind, EventRecord
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.takeover import Decision
 
@@ -41,13 +42,7 @@ def decision_recorded(
         "decided_by": who,
         "steps": list(steps),
     }
-    return prepare_event(
-        thread_id,
-        EventKind.DECISION_RECORDED,
-        payload,
-        checkpoint_id=None,
-        checkpoint_ns=checkpoint_ns,
-    )
+    return step_event(thread_id, checkpoint_ns, EventKind.DECISION_RECORDED, **payload)
 
 
 def ledger_move(

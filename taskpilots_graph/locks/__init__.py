@@ -15,7 +15,7 @@ methods (:class:`LeaseBackend`); :func:`hold` / :func:`ahold` and :func:`busines
 :func:`abusiness_lock` wrap acquisition, heartbeat, ``check()`` and release.
 
 With no backend named, the recovery agent, ``RecoveryMiddleware`` and the runners use the
-one in the checkpointer's own database (:mod:`taskpilots_graph.locks.default`); Redis is the
+one in the checkpointer's own database (:func:`default_lease_backend`); Redis is the
 explicit scale-out choice. A holder whose process is gone on this very machine (SIGKILL)
 is taken over at once instead of after its TTL (:func:`~taskpilots_graph.leases.holder_died`).
 
@@ -40,6 +40,7 @@ from taskpilots_graph.leases import (
     new_owner,
     thread_lease_name,
 )
+from taskpilots_graph.locks.default import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.locks.hold import (
     AsyncHold,
     Hold,
@@ -68,9 +69,11 @@ __all__ = [
     "RedisLeaseBackend",
     "SqliteLeaseBackend",
     "abusiness_lock",
+    "adefault_lease_backend",
     "ahold",
     "business_lock",
     "business_lock_name",
+    "default_lease_backend",
     "hold",
     "lease_backend_from_url",
     "new_owner",

@@ -16,7 +16,9 @@ checkpointer has a default backend living where its ledger lives:
 Redis stays the explicit scale-out option (``create_recovery_agent(leases=...)``).
 
 The backend is found from the recovery store, once, and kept for the store's lifetime (the
-checkpointer's density views share the store, hence the backend).
+checkpointer's density views share the store, hence the backend). It is asked for here, not
+on the checkpointer: the backends set up their tables through the stores, so the locks sit
+above the checkpointers and the checkpointers import nothing of them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import weakref
 from typing import Any, Final
 
+from taskpilots_graph.checkpointers import AsyncRecoveryCheckpointer, RecoveryAPI
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
 from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore, SqliteStore
 from taskpilots_graph.errors import ConfigurationError
@@ -33,7 +36,7 @@ from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.locks.memory import MemoryLeaseBackend
 from taskpilots_graph.locks.sqlite import SqliteLeaseBackend
 
-__all__ = ["adefault_lease_backend", "cached_lease_backend", "default_lease_backend"]
+__all__ = ["adefault_lease_backend", "default_lease_backend"]
 
 _DATABASE_LIST: Final = "PRAGMA database_list"
 
@@ -41,7 +44,7 @@ _cache: weakref.WeakKeyDictionary[object, LeaseBackend] = weakref.WeakKeyDiction
 _cache_lock = threading.Lock()
 
 
-def cached_lease_backend(store: object) -> LeaseBackend | None:
+def _cached(store: object) -> LeaseBackend | None:
     """The backend already found for ``store``, if any (no I/O)."""
     with _cache_lock:
         return _cache.get(store)
@@ -93,18 +96,33 @@ def _postgres_backend(store: Any) -> LeaseBackend | None:
     return None
 
 
-def default_lease_backend(store: object) -> LeaseBackend:
-    """The lease backend in ``store``'s own database (found once, then reused).
+def default_lease_backend(checkpointer: RecoveryAPI) -> LeaseBackend:
+    """The lease backend living in ``checkpointer``'s own database (found once, then reused):
+    the one thread leases and business locks use when no backend is named.
 
     Raises:
         ConfigurationError: For a store of unknown kind (a custom ``store=``).
+        asyncio.InvalidStateError: On an async checkpointer's own loop (await the a-form).
     """
-    if (found := cached_lease_backend(store)) is not None:
+    store = getattr(checkpointer, "store", None)
+    if isinstance(checkpointer, AsyncRecoveryCheckpointer) and _cached(store) is None:
+        # An async store is read on the checkpointer's own loop (from another thread).
+        return checkpointer._sync(_astore_backend(store))
+    return _store_backend(store)
+
+
+async def adefault_lease_backend(checkpointer: RecoveryAPI) -> LeaseBackend:
+    """Async form of :func:`default_lease_backend`."""
+    return await _astore_backend(getattr(checkpointer, "store", None))
+
+
+def _store_backend(store: object) -> LeaseBackend:
+    if (found := _cached(store)) is not None:
         return found
     backend: LeaseBackend | None
     if isinstance(store, MemoryStore | AsyncMemoryStore):
         sync = store.sync if isinstance(store, AsyncMemoryStore) else store
-        backend = cached_lease_backend(sync) or _keep(sync, MemoryLeaseBackend())
+        backend = _cached(sync) or _keep(sync, MemoryLeaseBackend())
     elif isinstance(store, SqliteStore):
         with store.lock:
             rows = store.conn.execute(_DATABASE_LIST).fetchall()
@@ -124,14 +142,14 @@ def default_lease_backend(store: object) -> LeaseBackend:
     return _keep(store, backend)
 
 
-async def adefault_lease_backend(store: object) -> LeaseBackend:
-    """Async form of :func:`default_lease_backend` (the async SQLite store needs it)."""
-    if (found := cached_lease_backend(store)) is not None:
+async def _astore_backend(store: object) -> LeaseBackend:
+    # The async SQLite store is read here, on its loop; the others as in the sync form.
+    if (found := _cached(store)) is not None:
         return found
     if isinstance(store, AsyncSqliteStore):
         async with store.lock, store.conn.execute(_DATABASE_LIST) as cur:
             rows = list(await cur.fetchall())
         return _keep(store, _sqlite_backend(rows))
     if isinstance(store, SqliteStore):
-        return await asyncio.to_thread(default_lease_backend, store)
-    return default_lease_backend(store)
+        return await asyncio.to_thread(_store_backend, store)
+    return _store_backend(store)

@@ -12,6 +12,9 @@ Add one middleware and give the agent the same recovery checkpointer::
         agent.invoke({"messages": [("user", goal)]}, {"configurable": {"thread_id": "t-1"}})
     # after a crash, in any process: tp.resume(agent, "t-1")
 
+In a graph you build yourself, ``tp.ToolNode`` (:mod:`taskpilots_graph.middleware.toolnode`)
+gives LangGraph's ``ToolNode`` the same tool-call driver.
+
 What every tool call gets (through ``wrap_tool_call`` / ``awrap_tool_call``):
 
 * **the side-effect ledger** for ``@tp.side_effect`` tools: the intent is written durably
@@ -84,7 +87,8 @@ try:
     import langchain.agents  # noqa: F401 - the optional dependency this package builds on
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "RecoveryMiddleware needs langchain 1.x: pip install 'taskpilots-graph[langchain]'"
+        "RecoveryMiddleware and tp.ToolNode need langchain 1.x: "
+        "pip install 'taskpilots-graph[langchain]'"
     ) from exc
 
 from taskpilots_graph.middleware._middleware import RecoveryMiddleware

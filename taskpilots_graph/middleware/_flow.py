@@ -27,8 +27,8 @@ from langgraph.types import Command
 
 from taskpilots_graph import _clock
 from taskpilots_graph.engine import CallContext, CallOutcome, call_context, run_call
-from taskpilots_graph.engine._protocol import FindPrevious, ReadEntry, WriteEntry, WriteEvent
 from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
+from taskpilots_graph.engine._requests import FindPrevious, ReadEntry, WriteEntry, WriteEvent
 from taskpilots_graph.engine._run import run_finished
 from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import ConfigurationError, ResultDrifted, ToolWaiting

@@ -18,12 +18,12 @@ from langgraph.types import Command, interrupt
 from taskpilots_graph import _clock
 from taskpilots_graph._compat import answers_waiting, create_agent_arguments, middleware_chain
 from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
-from taskpilots_graph.agent import DEFAULT_LEASE_TTL
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import valid_conversation
 from taskpilots_graph.engine import AsyncDriver, Driver
 from taskpilots_graph.engine._drive import LeaseOwner
-from taskpilots_graph.engine._protocol import SUMMARY_CHARS, RunTool
+from taskpilots_graph.engine._records import SUMMARY_CHARS
+from taskpilots_graph.engine._requests import RunTool
 from taskpilots_graph.engine._run import (
     answer_text,
     answered,
@@ -33,7 +33,7 @@ from taskpilots_graph.engine._run import (
 )
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind, EventRecord, prepare_event
-from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.leases import DEFAULT_LEASE_TTL, LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry
 from taskpilots_graph.middleware._flow import ABANDONED_MARK, Flow, tool_flow
 from taskpilots_graph.middleware._leases import StepLeases

@@ -43,7 +43,8 @@ from typing import Any, Literal
 from langchain_core.tools import BaseTool
 
 from taskpilots_graph.engine._call import CallContext, call_context
-from taskpilots_graph.engine._protocol import ReadEntry, WriteEntry, run_call
+from taskpilots_graph.engine._protocol import run_call
+from taskpilots_graph.engine._requests import ReadEntry, WriteEntry
 from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import InvalidDecision, LedgerConflict
 from taskpilots_graph.events import EventKind, EventRecord, prepare_event

@@ -41,11 +41,12 @@ from langgraph.types import interrupt
 
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine import AsyncDriver, Driver
-from taskpilots_graph.engine._protocol import RunTool
+from taskpilots_graph.engine._requests import RunTool
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind, EventRecord
 from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, SideEffectSpec
+from taskpilots_graph.locks import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.nodes._context import run_context
 from taskpilots_graph.nodes._undo import (
     AskPerson,
@@ -211,7 +212,7 @@ def compensate_effect(
     driver = Driver(
         cp,
         ctx.thread_id,
-        lambda: leases if leases is not None else cp.lease_backend(),
+        lambda: leases if leases is not None else default_lease_backend(cp),
         lease_ttl,
         lambda _: _sync_only(run(), ctx.effect.tool),
         other=lambda req: _person(req, ctx, driver.pending),
@@ -245,7 +246,7 @@ async def acompensate_effect(
     ctx, run = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
 
     async def backend() -> LeaseBackend:
-        return leases if leases is not None else await cp.alease_backend()
+        return leases if leases is not None else await adefault_lease_backend(cp)
 
     async def run_tool(_: RunTool) -> Any:
         value = run()

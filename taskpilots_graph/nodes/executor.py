@@ -40,8 +40,10 @@ from taskpilots_graph.compression import CompressedObservation, Observation, com
 from taskpilots_graph.drift import placeholder, unserialisable
 from taskpilots_graph.engine import AsyncDriver, CallContext, CallOutcome, Driver, call_context
 from taskpilots_graph.engine._drive import LeaseOwner
-from taskpilots_graph.engine._protocol import SUMMARY_CHARS, RunTool, latest_successes, run_call
+from taskpilots_graph.engine._protocol import run_call
+from taskpilots_graph.engine._records import SUMMARY_CHARS
 from taskpilots_graph.engine._recovery import failure_signature
+from taskpilots_graph.engine._requests import RunTool, latest_successes
 from taskpilots_graph.errors import ConfigurationError, ResultDrifted
 from taskpilots_graph.events import Event, EventKind, EventRecord
 from taskpilots_graph.failures import classify, failure_payload

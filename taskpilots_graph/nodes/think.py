@@ -51,7 +51,7 @@ from langgraph.types import Command, StateSnapshot
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import close_dangling, valid_conversation
-from taskpilots_graph.engine._protocol import SUMMARY_CHARS
+from taskpilots_graph.engine._records import SUMMARY_CHARS
 from taskpilots_graph.engine._run import (
     answer_text,
     answered,

@@ -37,7 +37,7 @@ import math
 import random
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.messages import ToolMessage
 from langchain_core.runnables import RunnableConfig
@@ -47,14 +47,11 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from taskpilots_graph._compat import task_checkpointer
-from taskpilots_graph.agent import DEFAULT_LEASE_TTL
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.leases import LeaseBackend
+from taskpilots_graph.leases import DEFAULT_LEASE_TTL, LeaseBackend
+from taskpilots_graph.middleware._middleware import RecoveryMiddleware
 from taskpilots_graph.policy import ToolPolicy
-
-if TYPE_CHECKING:
-    from taskpilots_graph.middleware import RecoveryMiddleware
 
 __all__ = ["ToolNode"]
 
@@ -63,17 +60,6 @@ _MAX_CHECKPOINTERS = 8
 Answer = ToolMessage | Command[Any]
 Execute = Callable[[ToolCallRequest], Answer]
 AsyncExecute = Callable[[ToolCallRequest], Awaitable[Answer]]
-
-
-def _middleware_class() -> type[RecoveryMiddleware]:
-    try:
-        from taskpilots_graph.middleware import RecoveryMiddleware
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "tp.ToolNode shares RecoveryMiddleware's code, which needs langchain 1.x: "
-            "pip install 'taskpilots-graph[langchain]'"
-        ) from exc
-    return RecoveryMiddleware
 
 
 class ToolNode(_LangGraphToolNode):
@@ -133,7 +119,6 @@ class ToolNode(_LangGraphToolNode):
         tags: list[str] | None = None,
         messages_key: str = "messages",
     ) -> None:
-        middleware = _middleware_class()
         _check_options(policies, default_policy, lease_ttl)
         self._options: dict[str, Any] = {
             "policies": policies,
@@ -148,7 +133,7 @@ class ToolNode(_LangGraphToolNode):
         self.policies: dict[str, ToolPolicy] = dict(policies or {})
         self.default_policy = default_policy or ToolPolicy()
         if checkpointer is not None:
-            self._recoveries[id(checkpointer)] = middleware(checkpointer, **self._options)
+            self._recoveries[id(checkpointer)] = RecoveryMiddleware(checkpointer, **self._options)
         super().__init__(
             tools,
             name=name,
@@ -188,7 +173,7 @@ class ToolNode(_LangGraphToolNode):
                     # A long-lived node used with checkpointers opened per request must not
                     # keep them all alive; a dropped one only loses its write-saving marks.
                     self._recoveries.clear()
-                recovery = _middleware_class()(cp, **self._options)
+                recovery = RecoveryMiddleware(cp, **self._options)
                 self._recoveries[id(cp)] = recovery
             return recovery
 
