@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from _slow_puts import slow_puts
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -372,12 +373,21 @@ def test_resume_finished_thread_returns_values_without_model(cp: RecoveryCheckpo
 
 
 @pytest.mark.parametrize(
-    ("durability", "recorded"), [("exit", True), ("async", True), ("sync", False)]
+    ("durability", "late", "recorded"),
+    [("exit", False, True), ("async", True, True), ("async", False, False), ("sync", False, False)],
 )
-def test_decision_recorded_unless_durability_sync(
-    cp: RecoveryCheckpointer, durability: str, recorded: bool
+def test_decision_recorded_unless_its_checkpoint_is_stored(
+    cp: RecoveryCheckpointer,
+    durability: str,
+    late: bool,
+    recorded: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A side-effecting decision is recorded under "exit"/"async" (not durable yet), not "sync"."""
+    """A side-effecting decision is recorded when the checkpoint holding it is not on disk
+    before the effect: always under "exit", under "async" only when that checkpoint is
+    late (the step waits for it briefly), never under "sync"."""
+    if late:
+        slow_puts(monkeypatch, cp)
     model = ScriptedModel(script=[[CHARGE]])
     graph = create_recovery_agent(model, Service().tools(), checkpointer=cp)
     result = graph.invoke(goal(), config("t"), durability=durability)  # type: ignore[arg-type]

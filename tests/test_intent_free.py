@@ -2,13 +2,15 @@
 first ledger write (``engine._protocol.writes_intent``).
 
 Under ``durability="sync"`` the checkpoint holding the model's call is stored before the
-call runs, and it names the call (tool-call id, hence the default key); an idempotent
-service answers a repeated key with the first outcome. The intent would add a durable write
-and tell nothing the resumed run cannot find out by running the call again. The tests look
-from a separate connection while the tool runs, through both agent forms and every entry
-point, then run the same command again; the cases that keep the intent (the default
-``"async"`` durability, a ``key=`` other threads may share) are checked the same way, and a
-SIGKILL inside the effect is resumed in a fresh process. Real SQLite and PostgreSQL.
+call runs; under the default ``"async"`` the step waits for that checkpoint's put, already
+on its way, before its first side effect. The checkpoint names the call (tool-call id, hence
+the default key); an idempotent service answers a repeated key with the first outcome. The
+intent would add a durable write and tell nothing the resumed run cannot find out by running
+the call again. The tests look from a separate connection while the tool runs, through both
+agent forms and every entry point, then run the same command again; the cases that keep the
+intent (a checkpoint that does not reach the disk in time, a ``key=`` other threads may
+share) are checked the same way, and a SIGKILL inside the effect is resumed in a fresh
+process. Real SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _slow_puts import slow_puts
 from langchain.agents import create_agent
 from langchain_core.messages import HumanMessage
 from langchain_core.tools import BaseTool, StructuredTool
@@ -33,6 +36,7 @@ from langchain_core.tools import BaseTool, StructuredTool
 import taskpilots_graph as tp
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus
+from taskpilots_graph.nodes._context import messages_digest
 from taskpilots_graph.testing import ScriptedModel
 
 FORMS = ("recovery agent", "middleware")
@@ -57,11 +61,14 @@ class Desk:
         self.charges: dict[str, str] = {}
         self.requests: list[str] = []
         self.on_record: list[list[tuple[Any, ...]]] = []
+        self.call_stored: list[bool] = []
 
     def tool(self, *, key: Callable[[dict[str, Any]], str] | None = None) -> BaseTool:
         def charge(order: str) -> str:
             """Charge an order."""
-            request_key = tp.current_invocation().key
+            invocation = tp.current_invocation()
+            request_key = invocation.key
+            self.call_stored.append(_call_stored(self.conn_string, invocation))
             self.on_record.append(
                 _rows(
                     self.conn_string,
@@ -74,6 +81,19 @@ class Desk:
 
         made = StructuredTool.from_function(charge)
         return tp.side_effect(made, idempotent=True, key=key)
+
+
+def _call_stored(conn_string: str, invocation: tp.Invocation) -> bool:
+    """Whether a checkpointer of its own finds the call in the thread's stored checkpoint."""
+    config = {"configurable": {"thread_id": invocation.thread_id, "checkpoint_ns": ""}}
+    with tp.RecoveryCheckpointer.from_conn_string(conn_string) as other:
+        stored = other.get_tuple(config)  # type: ignore[arg-type]
+    messages = stored.checkpoint["channel_values"].get("messages", []) if stored else []
+    return any(
+        call["id"] == invocation.tool_call_id
+        for message in messages
+        for call in getattr(message, "tool_calls", None) or ()
+    )
 
 
 def _agent(form: str, cp: tp.RecoveryCheckpointer, tool: BaseTool) -> Any:
@@ -97,44 +117,54 @@ def _go(graph: Any, how: str, thread_id: str, **kwargs: Any) -> None:
         tp.run(graph, thread_id, start, **kwargs)
 
 
+@pytest.mark.parametrize("durability", ["sync", "async"])
 @pytest.mark.parametrize("how", ENTRY_POINTS)
 @pytest.mark.parametrize("form", FORMS)
-def test_under_sync_the_commit_is_the_first_ledger_write(
-    form: str, how: str, cp: tp.RecoveryCheckpointer, conn_string: str
+def test_with_its_step_stored_the_commit_is_the_first_ledger_write(
+    form: str, how: str, durability: str, cp: tp.RecoveryCheckpointer, conn_string: str
 ) -> None:
     """Nothing is on record while the tool runs; afterwards one committed entry carries
     the call's ``tool_invoked`` and ``tool_succeeded``. The same command again charges
     nothing more."""
     desk = Desk(conn_string)
     graph = _agent(form, cp, desk.tool())
-    thread_id = f"free-{form.replace(' ', '-')}-{how}"
+    thread_id = f"free-{form.replace(' ', '-')}-{how}-{durability}"
 
-    _go(graph, how, thread_id, durability="sync")
+    _go(graph, how, thread_id, durability=durability)
 
     assert desk.on_record == [[]]  # no intent before the effect
+    assert desk.call_stored == [True]  # what the resumed run needs is on disk: the call
+    digest = messages_digest([HumanMessage("charge order o-1")])
+    assert cp.decision(thread_id, "", digest) is None  # so no decision record either
     (entry,) = cp.ledger(thread_id)
     assert (entry.status, entry.result) == (LedgerStatus.COMMITTED, "charge-1")
     kinds = [e.kind for e in cp.events(thread_id) if e.payload.get("key") == entry.key]
     assert kinds == [EventKind.TOOL_INVOKED, EventKind.TOOL_SUCCEEDED]
 
-    _go(graph, how, thread_id, durability="sync")  # the same command, run twice
+    _go(graph, how, thread_id, durability=durability)  # the same command, run twice
     assert desk.requests == [entry.key]
     assert [e.status for e in cp.ledger(thread_id)] == [LedgerStatus.COMMITTED]
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_the_intent_stays_where_it_is_needed(
-    form: str, cp: tp.RecoveryCheckpointer, conn_string: str
+    form: str, cp: tp.RecoveryCheckpointer, conn_string: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under the default ``"async"`` durability (the step may not be on disk yet) and for a
-    ``key=`` other threads may share, the intent is on record before the effect runs."""
-    desk = Desk(conn_string)
-    _go(_agent(form, cp, desk.tool()), "invoke", f"async-{form}")
+    """For a ``key=`` other threads may share, and under ``"async"`` durability when the
+    step's checkpoint is not on disk in time, the intent is on record before the effect
+    runs."""
     shared = Desk(conn_string)
     tool = shared.tool(key=lambda args: f"charge:{args['order']}")
     _go(_agent(form, cp, tool), "invoke", f"keyed-{form}", durability="sync")
-    assert desk.on_record == [[("intended",)]]
     assert shared.on_record == [[("intended",)]]
+
+    slow_puts(monkeypatch, cp)
+    late = Desk(conn_string)
+    _go(_agent(form, cp, late.tool()), "invoke", f"late-{form}")
+    assert late.call_stored == [False]
+    assert late.on_record == [[("intended",)]]  # the intent carries the model's decision
+    digest = messages_digest([HumanMessage("charge order o-1")])
+    assert cp.decision(f"late-{form}", "", digest) is not None
 
 
 _CHILD = textwrap.dedent(
@@ -146,7 +176,7 @@ _CHILD = textwrap.dedent(
     import taskpilots_graph as tp
     from taskpilots_graph.testing import ScriptedModel
 
-    conn, desk, action = sys.argv[1:4]
+    conn, desk, action, durability = sys.argv[1:5]
 
     def charge(order: str) -> str:
         \"\"\"Charge an order.\"\"\"
@@ -168,16 +198,17 @@ _CHILD = textwrap.dedent(
         )
         if action == "start":
             start = {"messages": [HumanMessage("charge order o-1")]}
-            tp.run(graph, "t", start, durability="sync")
+            tp.run(graph, "t", start, durability=durability)
         else:
-            tp.resume(graph, "t", durability="sync")
+            tp.resume(graph, "t", durability=durability)
     """
 )
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("durability", ["sync", "async"])
 def test_sigkill_after_the_effect_is_settled_by_running_it_again(
-    sqlite_path: str, tmp_path: Path
+    durability: str, sqlite_path: str, tmp_path: Path
 ) -> None:
     """Killed after the desk charged, before anything of the call was on record: the
     resumed run asks again under the same key and gets the same charge; one charge, one
@@ -185,7 +216,7 @@ def test_sigkill_after_the_effect_is_settled_by_running_it_again(
     conn, desk = f"sqlite:///{sqlite_path}", tmp_path / "desk.json"
 
     def child(action: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-c", _CHILD, conn, str(desk), action]
+        cmd = [sys.executable, "-c", _CHILD, conn, str(desk), action, durability]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
 
     started = child("start")

@@ -474,7 +474,7 @@ def test_killed_and_resumed_run_counts_no_duplicate(sqlite_path: str) -> None:
     import signal
     import subprocess
 
-    from test_threads import CHILD, TESTS
+    from test_threads import BOOK_KEY, CHILD, TESTS
 
     conn = f"sqlite:///{sqlite_path}"
     child = subprocess.run(
@@ -487,7 +487,7 @@ def test_killed_and_resumed_run_counts_no_duplicate(sqlite_path: str) -> None:
         service = Service()
         graph = tp.create_recovery_agent(
             PlanModel(plan=[("book", {"ref": "A"})]),
-            [tp.side_effect(service.tool("book"), idempotent=True)],
+            [tp.side_effect(service.tool("book"), idempotent=True, key=BOOK_KEY)],
             checkpointer=cp,
         )
         tp.resume(graph, "t")

@@ -44,6 +44,7 @@ from taskpilots_graph.testing import fake_clock
 sys.path.insert(0, str(Path(__file__).parent))
 from _middleware_worker import FAST, build_agent, ticket_tool
 from _models import PlanModel, ScriptedChatModel
+from _slow_puts import slow_puts
 
 WORKER = Path(__file__).parent / "_middleware_worker.py"
 
@@ -638,10 +639,12 @@ def test_recorded_decision_is_replayed(cp: tp.RecoveryCheckpointer, services: Se
 
 
 def test_side_effect_decision_recorded_before_the_call(
-    cp: tp.RecoveryCheckpointer, services: Services
+    cp: tp.RecoveryCheckpointer, services: Services, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Under "async" durability the model's message is recorded before its side effect runs;
-    under "sync" (checkpoint already durable) it is not."""
+    """Under "async" durability, with the checkpoint not on disk in time, the model's message
+    is recorded before its side effect runs; under "sync" (checkpoint already durable) it is
+    not."""
+    slow_puts(monkeypatch, cp)
     agent = build_agent("recovery", cp, services)
     agent.invoke({"messages": [("user", "t-s")]}, _config("t-s"))
     digest = messages_digest([HumanMessage("t-s")])
@@ -687,7 +690,9 @@ def test_parallel_side_effects_each_find_the_decision_on_disk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two side effects of one model message run in parallel; neither may run before the
-    message is on disk, even while the other call is still writing it (slowed down here)."""
+    message is on disk, even while the other call is still writing it (slowed down here,
+    with the checkpoint holding the message late too)."""
+    slow_puts(monkeypatch, cp)
     record = cp.record_decision
 
     def slow_record(*args: Any) -> None:
@@ -708,6 +713,7 @@ async def test_async_parallel_side_effects_each_find_the_decision_on_disk(
 ) -> None:
     """The async form of the test above: the two calls run as concurrent tasks."""
     async with tp.AsyncRecoveryCheckpointer.from_conn_string(f"sqlite:///{sqlite_path}") as acp:
+        slow_puts(monkeypatch, acp)
         record = acp.arecord_decision
 
         async def slow_record(*args: Any) -> None:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from _slow_puts import slow_puts
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
@@ -200,8 +201,11 @@ def crashed_after_commit(cp: Any, archive: Archive, thread_id: str = "src") -> A
 # --- copy_thread ------------------------------------------------------------------------------
 
 
-def test_copy_thread_copies_checkpoints_and_recovery_records(tcp: RecoveryCheckpointer) -> None:
+def test_copy_thread_copies_checkpoints_and_recovery_records(
+    tcp: RecoveryCheckpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The copy has the source's checkpoints, writes, events, decisions, artifacts and ledger."""
+    slow_puts(monkeypatch, tcp)  # the step's checkpoint late: its decision is recorded
     archive = Archive()
     crashed_after_commit(tcp, archive)
     ref = tcp.put_artifact("src", b"the exported report")
@@ -429,9 +433,10 @@ def test_copied_entry_moves_an_undo_with_its_effect() -> None:
 
 
 def test_delete_for_runs_deletes_checkpoints_and_keeps_what_the_run_did(
-    tcp: RecoveryCheckpointer,
+    tcp: RecoveryCheckpointer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run's checkpoints go; its events and ledger stay, so a rerun repeats no effect."""
+    slow_puts(monkeypatch, tcp)  # the step's checkpoint late: its decision is recorded
     archive = Archive()
     graph = create_recovery_agent(
         ScriptedModel(script=[[EXPORT]]), archive.tools(), checkpointer=tcp

@@ -226,6 +226,8 @@ def test_status_from_events_alone() -> None:
     )
 
 
+BOOK_KEY = lambda args: f"book:{args['ref']}"  # noqa: E731 - the key CHILD declares
+
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
@@ -244,7 +246,9 @@ CHILD = textwrap.dedent(
         cp.setup()
         graph = tp.create_recovery_agent(
             PlanModel(plan=[("book", {"ref": "A"})]),
-            [tp.side_effect(tool, idempotent=True)],
+            # A business key keeps the intent on record before the effect (under its
+            # default key an idempotent effect whose step is stored writes none).
+            [tp.side_effect(tool, idempotent=True, key=lambda args: f"book:{args['ref']}")],
             checkpointer=cp,
         )
         graph.invoke({"messages": [HumanMessage("go")]}, {"configurable": {"thread_id": "t"}})
@@ -270,7 +274,7 @@ def test_killed_run_is_running_until_resumed(sqlite_path: str) -> None:
         done: list[str] = []
         graph = tp.create_recovery_agent(
             PlanModel(plan=[("book", {"ref": "A"})]),
-            [tp.side_effect(effect_tool("book", done), idempotent=True)],
+            [tp.side_effect(effect_tool("book", done), idempotent=True, key=BOOK_KEY)],
             checkpointer=cp,
         )
         tp.resume(graph, "t")

@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _slow_puts import slow_puts
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import StructuredTool
 
@@ -89,8 +90,11 @@ def _event(thread_id: str, kind: EventKind = EventKind.TOOL_INVOKED) -> Any:
 
 
 def test_decision_is_on_disk_with_the_intent_before_the_effect_runs(
-    cp: RecoveryCheckpointer, conn_string: str
+    cp: RecoveryCheckpointer, conn_string: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Under ``"async"`` durability, a step whose checkpoint is not on disk in time for its
+    side effect records the model's decision in the intent's transaction."""
+    slow_puts(monkeypatch, cp)
     seen: list[tuple[int, list[tuple[Any, ...]]]] = []
 
     def charge(order: str) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 from langchain_core.runnables import RunnableConfig
 
 from taskpilots_graph._twins import Steps, arun_steps, asynced, io, run_steps, synced
+from taskpilots_graph.checkpointers._stored import STORED_WAIT, StoredCheckpoints
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
 from taskpilots_graph.checkpointers.artifacts import (
     ARTIFACTS_TABLE,
@@ -102,6 +103,8 @@ class RecoveryAPI(DelegatingSaver):
         self._held_commits()
         self._commit_holding()
         self._commit_mutex("")
+        self._carried()
+        self._stored()
         self._inputs_by_hold()
         self._effects_by_hold()
         view = copy.copy(self)
@@ -116,6 +119,38 @@ class RecoveryAPI(DelegatingSaver):
         (copies) share what was made before them."""
         found: T | None = self.__dict__.get(name)
         return found if found is not None else self.__dict__.setdefault(name, make())
+
+    # -- stored checkpoints ------------------------------------------------------------------
+
+    def _stored(self) -> StoredCheckpoints:
+        return self._shared("_stored_checkpoints", StoredCheckpoints)
+
+    def _on_disk(self, config: RunnableConfig) -> None:
+        conf = config.get("configurable") or {}
+        if conf.get("checkpoint_id"):
+            self._stored().note(str(conf.get("thread_id")), str(conf["checkpoint_id"]))
+
+    def checkpoint_stored(
+        self, thread_id: str, checkpoint_id: str, *, wait: float = STORED_WAIT
+    ) -> bool:
+        """Whether the checkpoint is on disk, waiting up to ``wait`` seconds for its put.
+
+        A step run under ``durability="async"`` asks before its first side effect (see
+        :mod:`taskpilots_graph.checkpointers._stored`). Always ``False`` on a view that
+        holds checkpoints back (a density other than every step): there is nothing to
+        wait for.
+        """
+        if self.held is not None:
+            return False
+        return self._stored().wait(thread_id, checkpoint_id, wait)
+
+    async def acheckpoint_stored(
+        self, thread_id: str, checkpoint_id: str, *, wait: float = STORED_WAIT
+    ) -> bool:
+        """Async form of :meth:`checkpoint_stored`."""
+        if self.held is not None:
+            return False
+        return await self._stored().await_stored(thread_id, checkpoint_id, wait)
 
     # -- event log ---------------------------------------------------------------------------
 
@@ -378,11 +413,31 @@ class RecoveryAPI(DelegatingSaver):
         if not self._holds_commits():
             return  # nothing was ever held: no mutex to wait for
         for thread_id in thread_ids:
+            if parked:  # a put: give the thread's put_writes, already on its way, the ride
+                self._await_carriers(thread_id)
             with self._commit_mutex(thread_id):
                 if parked:
                     self._write_held(self._take_held(thread_id, lambda c: True))
                 else:
                     self._write_held(self._take_held(thread_id))
+
+    def _carried(self) -> threading.Condition:
+        return self._shared("_carried_condition", threading.Condition)
+
+    def _await_carriers(self, thread_id: str) -> None:
+        """Wait briefly until a put_writes has taken each of the thread's held commits.
+
+        A put runs concurrently with the put_writes of the tasks before it (LangGraph's
+        background executor), which have the commits' ride: had the put written them on
+        their own first, each would have cost a transaction of its own.
+        """
+
+        def taken() -> bool:
+            with self._deferred_lock():
+                return all(c.parked for c in self._held_commits().get(thread_id, ()))
+
+        with self._carried():
+            self._carried().wait_for(taken, _CARRY_WAIT)
 
     def _write_held(self, commits: Sequence[HeldCommit]) -> None:
         for done, commit in enumerate(commits):
@@ -431,6 +486,8 @@ class RecoveryAPI(DelegatingSaver):
         with self._commit_mutex(thread_id):
             commits = self._take_held(thread_id, lambda c: c.task_id == task_id and not c.parked)
             if commits:
+                with self._carried():
+                    self._carried().notify_all()  # a put may wait for this
                 self._carry(commits, config, writes, task_id, task_path)
                 return
         # Nothing of this task's is held, and no hand-over of the thread is under way.
@@ -847,6 +904,7 @@ class RecoveryAPI(DelegatingSaver):
 
 
 _MUTEX_STRIPES = 64
+_CARRY_WAIT = 0.2  # seconds a put waits for a put_writes to take the commits it may carry
 
 
 def _thread_of(config: RunnableConfig) -> str:

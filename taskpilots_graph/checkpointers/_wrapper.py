@@ -157,6 +157,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         encoded, rows = self._encoded(config, checkpoint)
         if rows is None:
             stored = yield io(self.inner, "put", config, encoded, metadata, new_versions)
+            self._on_disk(stored)
             return cast(RunnableConfig, stored)
         try:
             with self._riding() as ride:
@@ -169,6 +170,7 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         except BaseException:
             self._failed_write(rows)
             raise
+        self._on_disk(stored)
         return cast(RunnableConfig, stored)
 
     def _check_readable(self, thread_id: str, refs: Mapping[str, MessageRef]) -> None:
@@ -332,6 +334,10 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
         """What a subclass does before a checkpoint of ``config``'s thread is written."""
         yield from ()
 
+    def _on_disk(self, config: RunnableConfig) -> None:
+        """What a subclass does once the checkpoint ``config`` names is known to be stored
+        (written, or read back)."""
+
     def _get_tuple(self, config: RunnableConfig) -> Steps[CheckpointTuple | None]:
         _checked(config)
         yield from self._before_read(config)
@@ -339,6 +345,8 @@ class DelegatingSaver(BaseCheckpointSaver[Any]):
             if self.held is not None:
                 yield from self._held_calls(self.held.release(config))
             tup = yield io(self.inner, "get_tuple", config)
+            if tup is not None:
+                self._on_disk(tup.config)
             return (yield from self._decoded(tup, True, None))
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:

@@ -154,7 +154,7 @@ class _Call:
             spec=spec_of(tool) if tool is not None else None,
             policy=policy,
             attempt=self.attempts + 1,
-            step_durable=self.ctx.durability == "sync",
+            step_durable=self.ctx.input_stored,
         )
 
     def tool_request(self) -> ToolCallRequest:
@@ -224,7 +224,7 @@ def tool_flow(
             # the way back to a person's answer: the earlier result is then this task's own.
             found = yield FindPrevious(ctx.thread_id, call_ctx.key, call_ctx.tool_call_id)
             call_ctx = replace(call_ctx, previous=found)
-        if call_ctx.spec is not None and ctx.durability != "sync" and not recorded:
+        if call_ctx.spec is not None and not ctx.input_stored and not recorded:
             recorded = True
             yield from _record_decision(state)
         # The protocol's RunTool runs this request through the rest of the chain; the tool

@@ -53,11 +53,20 @@ from taskpilots_graph.middleware._requests import (
     UseTool,
     asked_in,
 )
-from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
+from taskpilots_graph.nodes._context import (
+    RunContext,
+    astored_input,
+    awaits_input,
+    load_message,
+    messages_digest,
+    run_context,
+    stored_input,
+)
 from taskpilots_graph.nodes.compensate import ABANDONED, acompensate_thread, compensate_thread
 from taskpilots_graph.nodes.think import RESUME_KEY, ResumeContext
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.prompts.resume import resume_message
+from taskpilots_graph.tools import spec_of
 from taskpilots_graph.unfinished import areconcile_orphans, orphan_intents, reconcile_orphans
 
 __all__ = ["RecoveryMiddleware"]
@@ -183,9 +192,8 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             check_middleware(chain, tools or [name])
         self._checked.add((is_async, name))
 
-    def _flow(self, request: ToolCallRequest) -> tuple[Flow, RunContext]:
+    def _flow(self, request: ToolCallRequest, ctx: RunContext) -> Flow:
         config = request.runtime.config
-        ctx = run_context(config)
         task_ns = str((config.get("configurable") or {}).get("checkpoint_ns") or "")
         flow = tool_flow(
             self._settings,
@@ -195,7 +203,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             answers=answers_waiting(config),
             resumed=RESUME_KEY in (config.get("configurable") or {}),
         )
-        return flow, ctx
+        return flow
+
+    @staticmethod
+    def _acts(request: ToolCallRequest, ctx: RunContext) -> bool:
+        """Whether the call should wait for its input checkpoint: a side effect, while that
+        checkpoint is being written in the background (see ``stored_input``)."""
+        tool = request.tool
+        return awaits_input(ctx) and tool is not None and spec_of(tool) is not None
 
     def _model_context(self) -> RunContext | None:
         try:
@@ -240,7 +255,10 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
     def wrap_tool_call(self, request: ToolCallRequest, handler: ToolHandler) -> Any:
         """Run one tool call through the ledger, the tool policy and takeover."""
         self._check_owner(request, handler, is_async=False)
-        flow, ctx = self._flow(request)
+        ctx = run_context(request.runtime.config)
+        if self._acts(request, ctx):
+            ctx = stored_input(ctx, self.checkpointer)
+        flow = self._flow(request, ctx)
         seat = ToolSeat()
         driver = Driver(
             self.checkpointer,
@@ -265,7 +283,10 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
     async def awrap_tool_call(self, request: ToolCallRequest, handler: AsyncToolHandler) -> Any:
         """Async form of :meth:`wrap_tool_call`."""
         self._check_owner(request, handler, is_async=True)
-        flow, ctx = self._flow(request)
+        ctx = run_context(request.runtime.config)
+        if self._acts(request, ctx):
+            ctx = await astored_input(ctx, self.checkpointer)
+        flow = self._flow(request, ctx)
         seat = ToolSeat()
 
         async def run_tool(req: RunTool) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import AIMessage, BaseMessage, message_to_dict, messages_from_dict
 from langchain_core.runnables import RunnableConfig
@@ -15,7 +15,19 @@ from taskpilots_graph._compat import task_durability
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.events import EventKind, EventRecord, prepare_event
 
-__all__ = ["RunContext", "dump_message", "load_message", "messages_digest", "run_context"]
+if TYPE_CHECKING:
+    from taskpilots_graph.checkpointers import RecoveryAPI
+
+__all__ = [
+    "RunContext",
+    "astored_input",
+    "awaits_input",
+    "dump_message",
+    "load_message",
+    "messages_digest",
+    "run_context",
+    "stored_input",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +40,15 @@ class RunContext:
             the same on every resume (``""`` for the root graph).
         durability: LangGraph's durability mode of the run.
         checkpoint_id: The checkpoint the node runs from (its graph's latest), if known.
+        input_stored: That checkpoint is on disk before the node acts: under
+            ``durability="sync"``, or once :func:`stored_input` found it stored.
     """
 
     thread_id: str
     graph_ns: str
     durability: str
     checkpoint_id: str | None = None
+    input_stored: bool = False
 
     def event(self, kind: EventKind, **payload: Any) -> EventRecord:
         """An event of this run, in its graph's namespace."""
@@ -61,12 +76,34 @@ def run_context(config: RunnableConfig) -> RunContext:
     graph_ns = "|".join(part.split(":", 1)[0] for part in task_ns.split("|")[:-1])
     # checkpoint_map holds the checkpoint each enclosing graph runs from, outermost first.
     parents = list((conf.get("checkpoint_map") or {}).values())
+    durability = task_durability(config)
     return RunContext(
         str(thread_id),
         graph_ns,
-        task_durability(config),
+        durability,
         str(parents[-1]) if parents else None,
+        durability == "sync",
     )
+
+
+def awaits_input(ctx: RunContext) -> bool:
+    """Whether the checkpoint ``ctx`` runs from is being written in the background (LangGraph's
+    default ``durability="async"``): a step about to act may wait for it."""
+    return not ctx.input_stored and ctx.durability == "async" and ctx.checkpoint_id is not None
+
+
+def stored_input(ctx: RunContext, cp: RecoveryAPI) -> RunContext:
+    """``ctx``, marked ``input_stored`` if its checkpoint is on disk or reaches it soon."""
+    if awaits_input(ctx) and cp.checkpoint_stored(ctx.thread_id, str(ctx.checkpoint_id)):
+        return replace(ctx, input_stored=True)
+    return ctx
+
+
+async def astored_input(ctx: RunContext, cp: RecoveryAPI) -> RunContext:
+    """Async form of :func:`stored_input`."""
+    if awaits_input(ctx) and await cp.acheckpoint_stored(ctx.thread_id, str(ctx.checkpoint_id)):
+        return replace(ctx, input_stored=True)
+    return ctx
 
 
 def _fingerprint(message: BaseMessage) -> list[Any]:

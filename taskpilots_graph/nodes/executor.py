@@ -49,7 +49,15 @@ from taskpilots_graph.events import Event, EventKind, EventRecord
 from taskpilots_graph.failures import classify, failure_payload
 from taskpilots_graph.leases import LeaseBackend
 from taskpilots_graph.ledger import SideEffectUncertain, args_digest
-from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest, run_context
+from taskpilots_graph.nodes._context import (
+    RunContext,
+    astored_input,
+    awaits_input,
+    dump_message,
+    messages_digest,
+    run_context,
+    stored_input,
+)
 from taskpilots_graph.nodes.think import resume_marker
 from taskpilots_graph.policy import ToolPolicy, validate_policies
 from taskpilots_graph.state import StepRecord
@@ -101,6 +109,14 @@ class _Step:
     signatures_seen: Mapping[str, int]
     pending: list[EventRecord] = field(default_factory=list)
     replayed: bool = False  # some call may have run before: compare results (drift)
+
+    def stored(self, ctx: RunContext) -> None:
+        """Continue with ``ctx``: once its input checkpoint is on disk, the step acts as
+        under ``durability="sync"``."""
+        self.ctx = ctx
+        if ctx.input_stored:
+            for item in self.calls:
+                item.ctx = replace(item.ctx, step_durable=True)
 
     def take_pending(self) -> list[EventRecord]:
         pending, self.pending = self.pending, []
@@ -219,7 +235,7 @@ class RecoveryExecutor(LeaseOwner):
                 policy=self.policy(using),
                 attempt=int(record.get("attempts", 0)) + 1,
                 # Under "milestones" the checkpoint before the step may be held, not stored.
-                step_durable=ctx.durability == "sync" and not self.record_all_decisions,
+                step_durable=ctx.input_stored and not self.record_all_decisions,
             )
             prepared.append(_Call(call, tool, call_ctx, record))
         if not prepared:
@@ -256,6 +272,12 @@ class RecoveryExecutor(LeaseOwner):
             if (found := latest.get((item.ctx.key, item.ctx.tool_call_id))) is not None:
                 item.ctx = replace(item.ctx, previous=found)
 
+    def _awaits_input(self, step: _Step) -> bool:
+        """Whether the step should wait for its input checkpoint before acting: it has a
+        side effect, and that checkpoint is being written in the background (not held back
+        by a density, where the decision is recorded anyway)."""
+        return not self.record_all_decisions and awaits_input(step.ctx) and _has_side_effect(step)
+
     def _decision_record(
         self, state: Mapping[str, Any], step: _Step
     ) -> tuple[str, str, str, str] | None:
@@ -272,9 +294,7 @@ class RecoveryExecutor(LeaseOwner):
         """
         if not step.first_time:
             return None
-        if not self.record_all_decisions and (
-            step.ctx.durability == "sync" or not _has_side_effect(step)
-        ):
+        if not self.record_all_decisions and (step.ctx.input_stored or not _has_side_effect(step)):
             return None
         digest = messages_digest(_before(state["messages"], step.ai))
         return step.ctx.thread_id, step.ctx.graph_ns, digest, dump_message(step.ai)
@@ -417,6 +437,8 @@ class RecoveryExecutor(LeaseOwner):
         if (step := self._prepare(state, config)) is None:
             return {}
         cp = self.checkpointer
+        if self._awaits_input(step):
+            step.stored(stored_input(step.ctx, cp))
         if (decision := self._decision_record(state, step)) is not None:
             (cp.defer_decision if _has_side_effect(step) else cp.record_decision)(*decision)
         if step.replayed:
@@ -460,6 +482,8 @@ class RecoveryExecutor(LeaseOwner):
         if (step := self._prepare(state, config)) is None:
             return {}
         cp = self.checkpointer
+        if self._awaits_input(step):
+            step.stored(await astored_input(step.ctx, cp))
         if (decision := self._decision_record(state, step)) is not None:
             if _has_side_effect(step):
                 cp.defer_decision(*decision)
