@@ -250,7 +250,7 @@ def _ours(pool: Any, *, lock_free: bool = True) -> Any:
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
     import taskpilots_graph as tp
-    from taskpilots_graph.checkpointers._pg_connect import PooledAsyncPostgresSaver
+    from taskpilots_graph.checkpointers._pg_savers import PooledAsyncPostgresSaver
     from taskpilots_graph.checkpointers.serde import compressed_serde
 
     saver = PooledAsyncPostgresSaver if lock_free else AsyncPostgresSaver

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from taskpilots_graph.policy import Backoff, ModelPolicy, ToolPolicy
     from taskpilots_graph.runner import aresume, arewind, arun, resume, rewind, run
     from taskpilots_graph.takeover import Decision, TakeoverRequest
-    from taskpilots_graph.threads import alist_threads, athread_info, list_threads, thread_info
+    from taskpilots_graph.thread_listing import alist_threads, list_threads
+    from taskpilots_graph.threads import athread_info, thread_info
     from taskpilots_graph.tools import Invocation, current_invocation, side_effect
 
     __version__: str
@@ -65,7 +66,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "policy": ("Backoff", "ModelPolicy", "ToolPolicy"),
     "runner": ("aresume", "arewind", "arun", "resume", "rewind", "run"),
     "takeover": ("Decision", "TakeoverRequest"),
-    "threads": ("alist_threads", "athread_info", "list_threads", "thread_info"),
+    "thread_listing": ("alist_threads", "list_threads"),
+    "threads": ("athread_info", "thread_info"),
     "tools": ("Invocation", "current_invocation", "side_effect"),
 }
 _EXPORTS: dict[str, str] = {

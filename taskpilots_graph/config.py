@@ -28,7 +28,8 @@ from typing import Any, Final
 from langgraph.pregel import Pregel
 
 from taskpilots_graph.checkpointers import AsyncRecoveryCheckpointer, RecoveryCheckpointer
-from taskpilots_graph.checkpointers.base import parse_conn_string, sqlite_path
+from taskpilots_graph.checkpointers._conn_string import parse_conn_string
+from taskpilots_graph.checkpointers._sqlite_connect import sqlite_path
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.locks import LeaseBackend, lease_backend_from_url
 

@@ -3,7 +3,7 @@
 :class:`Journal` notes each execution in a SQLite file of its own, outside the agent's
 database and process, so a SIGKILL cannot hide a repeat. :func:`instrumented` swaps a
 graph's tools (:mod:`taskpilots_graph.tool_tables`) for journaling twins (and, for a drill,
-one faulty twin) for the duration of a block; :mod:`taskpilots_graph.drills` drives the
+one faulty twin) for the duration of a block; :mod:`taskpilots_graph.drill_runs` drives the
 graph with them.
 """
 

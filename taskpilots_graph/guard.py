@@ -21,9 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.heartbeat import AsyncHold, Hold
 from taskpilots_graph.locks.hold import (
-    AsyncHold,
-    Hold,
     ahold,
     current_thread_hold,
     hold,

@@ -3,7 +3,7 @@
 A *lease* is a lock that expires by itself: a worker killed with SIGKILL never releases
 anything, and a lock without an expiry would keep its thread or business object locked
 forever (redis-py's ``Lock`` defaults to exactly that). A holder that needs longer than the
-TTL renews it (the heartbeat of :mod:`taskpilots_graph.locks.hold`).
+TTL renews it (the heartbeat of :mod:`taskpilots_graph.locks.heartbeat`).
 
 Expiry alone cannot make a lease safe: a holder paused past its TTL (GC, swap, a stopped VM)
 wakes up believing it still holds the name while a new holder works. So every acquisition

@@ -65,11 +65,10 @@ from taskpilots_graph.metric_figures import (
     tool_tallies,
 )
 from taskpilots_graph.reprs import html_view
+from taskpilots_graph.thread_listing import aevents_for_listing, events_for_listing
 from taskpilots_graph.threads import (
     THREAD_STATUSES,
     ThreadStatus,
-    aevents_for_listing,
-    events_for_listing,
     listed_thread_info,
     recovery_api,
     root_config,

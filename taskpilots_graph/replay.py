@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
+from taskpilots_graph._twins import Steps, asynced, io, synced
 from taskpilots_graph.errors import ThreadNotFound
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.reprs import html_view
@@ -315,7 +316,7 @@ def build_replay(thread_id: str, events: Sequence[Event]) -> Replay:
     return Replay(thread_id=thread_id, steps=tuple(steps))
 
 
-def replay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
+def _replay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Steps[Replay]:
     """Reconstruct a run step by step from its event log, calling no tool and no model.
 
     Raises:
@@ -324,16 +325,11 @@ def replay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
         CorruptRecordError: If a stored event cannot be decoded.
     """
     cp = recovery_api(checkpointer)
-    events = cp.events(thread_id)
-    if not events and cp.get_tuple(root_config(thread_id)) is None:
+    events = yield io(cp, "events", thread_id)
+    if not events and (yield io(cp, "get_tuple", root_config(thread_id))) is None:
         raise ThreadNotFound(thread_id)
     return build_replay(thread_id, events)
 
 
-async def areplay(checkpointer: BaseCheckpointSaver[Any], thread_id: str) -> Replay:
-    """Async form of :func:`replay`."""
-    cp = recovery_api(checkpointer)
-    events = await cp.aevents(thread_id)
-    if not events and await cp.aget_tuple(root_config(thread_id)) is None:
-        raise ThreadNotFound(thread_id)
-    return build_replay(thread_id, events)
+replay = synced(_replay)
+areplay = asynced(_replay)

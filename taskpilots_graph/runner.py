@@ -1,10 +1,11 @@
-"""Running threads, in any process: ``run`` a thread, ``resume`` it by id, ``rewind`` it to a
-milestone. Listing the threads waiting on a person (``pending_takeovers``) and answering
-them (``decide``) are in :mod:`taskpilots_graph.decisions`.
+"""Running threads, in any process: ``run`` a thread, ``resume`` it by id (``recover``: only if
+it still needs it, for supervisors and queues), ``rewind`` it to a milestone. Listing the
+threads waiting on a person (``pending_takeovers``) and answering them (``decide``) are in
+:mod:`taskpilots_graph.decisions`.
 
-Every runner (``run``, ``resume``, ``decide``, ``rewind`` and their async forms) holds
-the thread's lease (``thread:<thread_id>``) for the whole call: a second runner on the same
-thread gets :class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with
+Every runner (``run``, ``resume``, ``recover``, ``decide``, ``rewind`` and their async forms)
+holds the thread's lease (``thread:<thread_id>``) for the whole call: a second runner on the
+same thread gets :class:`~taskpilots_graph.errors.ThreadBusy` at once (or waits with
 ``wait=True``) instead of silently losing writes, and the executor checks the lease before
 every side effect. The lease lives in the backend named with
 ``create_recovery_agent(leases=...)``, or else in the checkpointer's own database. The
@@ -14,6 +15,7 @@ is guarded too.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
@@ -23,15 +25,14 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.pregel import Pregel
 
-from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
-from taskpilots_graph.agent import lease_source
+from taskpilots_graph import _clock
+from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
+from taskpilots_graph.agent import RecoveryGraph, lease_source
 from taskpilots_graph.checkpointers import RecoveryAPI
-from taskpilots_graph.errors import (
-    ConfigurationError,
-    ThreadNotFound,
-)
+from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, ToolWaiting
 from taskpilots_graph.events import Event, EventKind, check_thread_id
 from taskpilots_graph.guard import aguard_thread, guard_thread
+from taskpilots_graph.health import Attribution, needs_recovery, resumed_payload
 from taskpilots_graph.ledger import LedgerStatus, SideEffectUncertain
 from taskpilots_graph.nodes.think import resumed_config
 from taskpilots_graph.unfinished import (
@@ -45,11 +46,13 @@ from taskpilots_graph.unfinished import (
 
 __all__ = [
     "aleased_thread",
+    "arecover",
     "aresume",
     "arewind",
     "arun",
     "graph_saver",
     "leased_thread",
+    "recover",
     "resume",
     "rewind",
     "run",
@@ -154,9 +157,7 @@ def run(
     """
     cfg = thread_config(thread_id, config)
     with leased_thread(graph, thread_id, wait):
-        if not _guarded(graph):
-            input = before_run(graph, cfg, input)
-        return graph.invoke(input, cfg, **kwargs)
+        return run_steps(_run(graph, cfg, input, kwargs))
 
 
 async def arun(
@@ -171,17 +172,17 @@ async def arun(
     """Async form of :func:`run`."""
     cfg = thread_config(thread_id, config)
     async with aleased_thread(graph, thread_id, wait):
-        if not _guarded(graph):
-            input = await abefore_run(graph, cfg, input)
-        return await graph.ainvoke(input, cfg, **kwargs)
+        return await arun_steps(_run(graph, cfg, input, kwargs))
 
 
-def _guarded(graph: Pregel[Any, Any]) -> bool:
-    """Whether the graph's own ``invoke`` settles unfinished work (the recovery agent's
-    guarded entry points do); otherwise (``create_agent`` graphs) the runner does it."""
-    from taskpilots_graph.agent import RecoveryGraph
-
-    return isinstance(graph, RecoveryGraph)
+def _run(
+    graph: Pregel[Any, Any], cfg: RunnableConfig, input: Any, kwargs: dict[str, Any]
+) -> Steps[Any]:
+    # The recovery agent's own guarded ``invoke`` settles unfinished work; for other graphs
+    # (``create_agent``) the runner does it first.
+    if not isinstance(graph, RecoveryGraph):
+        input = yield both(before_run, abefore_run, graph, cfg, input)
+    return (yield io(graph, "invoke", input, cfg, **kwargs))
 
 
 def resume(
@@ -271,6 +272,67 @@ def _resume(
         event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, next_)
         cfg = resumed_config(cfg, event.seq, snapshot)
     return (yield io(graph, "invoke", None, cfg, **kwargs))
+
+
+# -- recover -----------------------------------------------------------------------------------
+
+
+def recover(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    attribution: Attribution | None = None,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> bool:
+    """Resume ``thread_id`` if, once its lease is ours, it still needs it.
+
+    The check happens under the lease, so of several supervisors (or queue jobs) racing for
+    one thread exactly one resumes it: the others get ``ThreadBusy``, or find nothing left
+    to do and return ``False``. The ``run_resumed`` event carries the attribution.
+
+    Returns:
+        Whether a run happened (a run that parks again in ``waiting_tool`` counts).
+
+    Raises:
+        ThreadBusy: Another runner holds the thread.
+        LockBackendUnavailable: The lease backend is unreachable; nothing ran.
+    """
+    cfg = thread_config(thread_id, config)
+    with leased_thread(graph, thread_id, False):
+        return run_steps(_recover(graph, attribution, cfg, kwargs))
+
+
+async def arecover(
+    graph: Pregel[Any, Any],
+    thread_id: str,
+    attribution: Attribution | None = None,
+    *,
+    config: RunnableConfig | None = None,
+    **kwargs: Any,
+) -> bool:
+    """Async form of :func:`recover`."""
+    cfg = thread_config(thread_id, config)
+    async with aleased_thread(graph, thread_id, False):
+        return await arun_steps(_recover(graph, attribution, cfg, kwargs))
+
+
+def _recover(
+    graph: Pregel[Any, Any], why: Attribution | None, cfg: RunnableConfig, kwargs: dict[str, Any]
+) -> Steps[bool]:
+    snapshot = yield io(graph, "get_state", cfg)
+    if not needs_recovery(snapshot, _clock.now()):
+        return False
+    cp = graph.checkpointer
+    if isinstance(cp, RecoveryAPI):
+        payload = resumed_payload(snapshot, why)
+        thread_id = cfg["configurable"]["thread_id"]
+        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, payload)
+        cfg = resumed_config(cfg, event.seq, snapshot)
+    # Parking again in waiting_tool until the next retry_at is a normal end of a run.
+    with contextlib.suppress(ToolWaiting):
+        yield io(graph, "invoke", None, cfg, **kwargs)
+    return True
 
 
 # -- rewind ------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ A scan looks at every thread of the graph's checkpointer:
   given up on with a ``stuck_detected`` event naming the same. What a scan sees and decides
   is pure and lives in :mod:`taskpilots_graph.health`.
 
-Several supervisors may run at once: a resume happens under the thread's lease and
-re-checks, under it, that the thread still needs one, so each thread is resumed by exactly
-one of them; the others see ``ThreadBusy`` or nothing left to do.
+Several supervisors may run at once: a resume (:func:`~taskpilots_graph.runner.recover`) takes
+the thread's lease and re-checks under it that the thread still needs one, so each thread is
+resumed by exactly one of them; the others see ``ThreadBusy`` or nothing left to do.
 
 With a supervisor running, start every run through the lease-holding runners
 (``tp.run`` / ``tp.resume`` / ``tp.decide``, or the queue of :mod:`taskpilots_graph.workers`):
@@ -34,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -42,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from langchain_core.runnables import RunnableConfig
 from langgraph.pregel import Pregel
 
 from taskpilots_graph import _clock
@@ -55,7 +53,6 @@ from taskpilots_graph.errors import (
     LockBackendUnavailable,
     StorageError,
     ThreadBusy,
-    ToolWaiting,
 )
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.health import (
@@ -63,91 +60,20 @@ from taskpilots_graph.health import (
     HealthStatus,
     ScanReport,
     ThreadHealth,
-    needs_recovery,
-    resumed_payload,
     thread_health,
     unreadable_health,
     with_effect_in_flight,
 )
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
-from taskpilots_graph.nodes.think import resumed_config
-from taskpilots_graph.runner import aleased_thread, leased_thread, thread_config
+from taskpilots_graph.runner import arecover, recover, thread_config
 from taskpilots_graph.tool_tables import find_executor
 
-__all__ = [
-    "Supervisor",
-    "arecover",
-    "asupervise",
-    "recover",
-    "serve_supervisor",
-    "supervise",
-]
+__all__ = ["Supervisor", "asupervise", "serve_supervisor", "supervise"]
 
 _log: Final = logging.getLogger("taskpilots_graph.supervisor")
 
 Dispatch = Callable[[str, "Attribution"], Any]
 """``dispatch(thread_id, attribution)``: hand a resume to a queue instead of running it here."""
-
-
-# --- resuming one thread ----------------------------------------------------------------------
-
-
-def recover(
-    graph: Pregel[Any, Any],
-    thread_id: str,
-    attribution: Attribution | None = None,
-    *,
-    config: RunnableConfig | None = None,
-    **kwargs: Any,
-) -> bool:
-    """Resume ``thread_id`` if, once its lease is ours, it still needs it.
-
-    The check happens under the lease, so of several supervisors (or queue jobs) racing for
-    one thread exactly one resumes it: the others get ``ThreadBusy``, or find nothing left
-    to do and return ``False``. The ``run_resumed`` event carries the attribution.
-
-    Returns:
-        Whether a run happened (a run that parks again in ``waiting_tool`` counts).
-
-    Raises:
-        ThreadBusy: Another runner holds the thread.
-        LockBackendUnavailable: The lease backend is unreachable; nothing ran.
-    """
-    cfg = thread_config(thread_id, config)
-    with leased_thread(graph, thread_id, False):
-        return run_steps(_recover(graph, attribution, cfg, kwargs))
-
-
-async def arecover(
-    graph: Pregel[Any, Any],
-    thread_id: str,
-    attribution: Attribution | None = None,
-    *,
-    config: RunnableConfig | None = None,
-    **kwargs: Any,
-) -> bool:
-    """Async form of :func:`recover`."""
-    cfg = thread_config(thread_id, config)
-    async with aleased_thread(graph, thread_id, False):
-        return await arun_steps(_recover(graph, attribution, cfg, kwargs))
-
-
-def _recover(
-    graph: Pregel[Any, Any], why: Attribution | None, cfg: RunnableConfig, kwargs: dict[str, Any]
-) -> Steps[bool]:
-    snapshot = yield io(graph, "get_state", cfg)
-    if not needs_recovery(snapshot, _clock.now()):
-        return False
-    cp = graph.checkpointer
-    if isinstance(cp, RecoveryAPI):
-        payload = resumed_payload(snapshot, why)
-        thread_id = cfg["configurable"]["thread_id"]
-        event = yield io(cp, "append_event", thread_id, EventKind.RUN_RESUMED, payload)
-        cfg = resumed_config(cfg, event.seq, snapshot)
-    # Parking again in waiting_tool until the next retry_at is a normal end of a run.
-    with contextlib.suppress(ToolWaiting):
-        yield io(graph, "invoke", None, cfg, **kwargs)
-    return True
 
 
 # --- the supervisor ---------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from langgraph.pregel import Pregel
 from taskpilots_graph.config import StorageSettings, open_graph
 from taskpilots_graph.errors import ConfigurationError, StorageError, ThreadBusy, ToolWaiting
 from taskpilots_graph.health import Attribution, ScanReport
-from taskpilots_graph.runner import leased_thread, thread_config
-from taskpilots_graph.supervisor import Supervisor, check_interval, recover, stopped_within
+from taskpilots_graph.runner import leased_thread, recover, thread_config
+from taskpilots_graph.supervisor import Supervisor, check_interval, stopped_within
 
 try:
     import procrastinate

@@ -26,7 +26,7 @@ import pytest
 import taskpilots_graph as tp
 from taskpilots_graph import AsyncRecoveryCheckpointer, ConfigurationError, RecoveryCheckpointer
 from taskpilots_graph.checkpointers import ArtifactRef, FileArtifactStore, FsspecArtifactStore
-from taskpilots_graph.checkpointers._schema import SCHEMA_VERSION
+from taskpilots_graph.checkpointers._migrations import SCHEMA_VERSION
 from taskpilots_graph.errors import ArtifactNotFound, CorruptRecordError
 
 TEN_MB = 10 * 1024 * 1024

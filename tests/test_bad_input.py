@@ -31,7 +31,7 @@ from test_cli import assert_one_line_error, fill, invoke
 
 import taskpilots_graph as tp
 from taskpilots_graph._thread_index import thread_ids
-from taskpilots_graph.checkpointers.base import parse_conn_string
+from taskpilots_graph.checkpointers._conn_string import parse_conn_string
 from taskpilots_graph.errors import (
     ConfigurationError,
     CorruptRecordError,

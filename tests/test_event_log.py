@@ -47,7 +47,7 @@ from taskpilots_graph import (
     EventKind,
     RecoveryCheckpointer,
 )
-from taskpilots_graph.checkpointers._schema import SCHEMA_VERSION
+from taskpilots_graph.checkpointers._migrations import SCHEMA_VERSION
 from taskpilots_graph.errors import CorruptRecordError
 from taskpilots_graph.events import MAX_PAYLOAD_BYTES
 

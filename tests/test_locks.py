@@ -33,7 +33,7 @@ import redis
 from _services import RedisServer, free_port, start_redis
 
 from taskpilots_graph import RecoveryCheckpointer
-from taskpilots_graph.checkpointers._schema import SCHEMA_VERSION
+from taskpilots_graph.checkpointers._migrations import SCHEMA_VERSION
 from taskpilots_graph.errors import (
     ConfigurationError,
     LeaseLost,

@@ -39,15 +39,10 @@ from langgraph.graph.message import add_messages
 from typing_extensions import TypedDict
 
 from taskpilots_graph import AsyncRecoveryCheckpointer, RecoveryCheckpointer
+from taskpilots_graph.checkpointers._message_log import MessageLog
 from taskpilots_graph.checkpointers.density import CheckpointDensity
 from taskpilots_graph.checkpointers.memory import MemoryStore
-from taskpilots_graph.checkpointers.messages import (
-    MARKER,
-    MessageLog,
-    MessageRef,
-    RecordMap,
-    read_marker,
-)
+from taskpilots_graph.checkpointers.messages import MARKER, MessageRef, RecordMap, read_marker
 from taskpilots_graph.errors import CorruptRecordError
 from taskpilots_graph.state import merge_steps
 

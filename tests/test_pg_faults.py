@@ -48,8 +48,9 @@ from taskpilots_graph import (
     create_recovery_agent,
     side_effect,
 )
-from taskpilots_graph.checkpointers import _schema
-from taskpilots_graph.checkpointers._pg_connect import PooledPostgresSaver, open_pool
+from taskpilots_graph.checkpointers import _migrations, _schema
+from taskpilots_graph.checkpointers._pg_connect import open_pool
+from taskpilots_graph.checkpointers._pg_savers import PooledPostgresSaver
 from taskpilots_graph.checkpointers.serde import compressed_serde
 from taskpilots_graph.errors import MigrationError, StorageReadOnly, StorageUnavailable
 from taskpilots_graph.events import EventKind, prepare_event
@@ -400,7 +401,8 @@ def test_newer_schema_is_refused_on_first_use_without_setup(postgres_url: str) -
         cp.setup()
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(
-            f"INSERT INTO {_schema.MIGRATIONS_TABLE} (v) VALUES (%s)", (_schema.SCHEMA_VERSION + 1,)
+            f"INSERT INTO {_schema.MIGRATIONS_TABLE} (v) VALUES (%s)",
+            (_migrations.SCHEMA_VERSION + 1,),
         )
     thread_id = _tid()
     with RecoveryCheckpointer.from_conn_string(postgres_url) as cp:  # no setup() here
@@ -418,7 +420,8 @@ async def test_async_newer_schema_is_refused_on_first_use(postgres_url: str) -> 
         await cp.setup()
     with psycopg.connect(postgres_url, autocommit=True) as admin:
         admin.execute(
-            f"INSERT INTO {_schema.MIGRATIONS_TABLE} (v) VALUES (%s)", (_schema.SCHEMA_VERSION + 1,)
+            f"INSERT INTO {_schema.MIGRATIONS_TABLE} (v) VALUES (%s)",
+            (_migrations.SCHEMA_VERSION + 1,),
         )
     async with AsyncRecoveryCheckpointer.from_conn_string(postgres_url) as cp:
         with pytest.raises(MigrationError):

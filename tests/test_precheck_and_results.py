@@ -39,12 +39,11 @@ import taskpilots_graph as tp
 from taskpilots_graph.drift import is_placeholder, placeholder, result_digest, unserialisable
 from taskpilots_graph.engine._call import CallContext
 from taskpilots_graph.engine._precheck import acall_precheck, call_precheck
-from taskpilots_graph.engine._records import recordable
+from taskpilots_graph.engine._records import recordable, tool_content
 from taskpilots_graph.engine._requests import RunPrecheck
 from taskpilots_graph.errors import PrecheckError
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.ledger import LedgerStatus, SideEffectSpec
-from taskpilots_graph.nodes.executor import tool_content
 from taskpilots_graph.testing import fake_clock
 
 LIMIT = 0.3  # seconds a hanging pre-check is given in these tests

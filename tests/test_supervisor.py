@@ -50,7 +50,8 @@ from taskpilots_graph.locks import (
     thread_lease_name,
 )
 from taskpilots_graph.policy import Backoff, ToolPolicy
-from taskpilots_graph.supervisor import Supervisor, asupervise, recover, supervise
+from taskpilots_graph.runner import recover
+from taskpilots_graph.supervisor import Supervisor, asupervise, supervise
 
 PARK = ToolPolicy(backoff=Backoff(initial=60, jitter=False), wait_window=3600)  # → ToolWaiting
 REPO_ROOT = Path(__file__).resolve().parent.parent

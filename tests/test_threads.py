@@ -25,14 +25,8 @@ import taskpilots_graph as tp
 from taskpilots_graph import testing
 from taskpilots_graph.errors import ThreadNotFound, ToolWaiting
 from taskpilots_graph.policy import Backoff, ToolPolicy
-from taskpilots_graph.threads import (
-    ThreadInfo,
-    alist_threads,
-    athread_info,
-    list_threads,
-    status_from_events,
-    thread_info,
-)
+from taskpilots_graph.thread_listing import alist_threads, list_threads
+from taskpilots_graph.threads import ThreadInfo, athread_info, status_from_events, thread_info
 
 FAST = Backoff(initial=1.0, multiplier=2.0, max_delay=8.0, jitter=False)
 TESTS = Path(__file__).parent

@@ -12,7 +12,6 @@ lives in tables of its own in the same database, and so do artifacts unless an
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from typing import Any, Self
@@ -21,24 +20,17 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
-from taskpilots_graph.checkpointers._sqlite_connect import (
-    RidingSqliteSaver,
-    mapped_errors,
-    open_sqlite,
-)
+from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers._artifact_access import checked_artifact_store
+from taskpilots_graph.checkpointers._conn_string import DEFAULT_POOL_SIZE, parse_conn_string
+from taskpilots_graph.checkpointers._sqlite_connect import RidingSqliteSaver, connect_sqlite
 from taskpilots_graph.checkpointers.artifacts import (
     ArtifactRef,
     ArtifactStore,
     FileArtifactStore,
     FsspecArtifactStore,
 )
-from taskpilots_graph.checkpointers.base import (
-    DEFAULT_POOL_SIZE,
-    SQLITE_BUSY_TIMEOUT_S,
-    RecoveryStore,
-    parse_conn_string,
-)
+from taskpilots_graph.checkpointers.base import RecoveryStore
 from taskpilots_graph.checkpointers.memory import MemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
 from taskpilots_graph.checkpointers.sqlite import SqliteStore
@@ -148,16 +140,11 @@ class RecoveryCheckpointer(RecoveryAPI):
         if target.backend == "memory":
             yield cls(InMemorySaver(), artifacts=artifacts)
         elif target.backend == "sqlite":
-            # Checks the path, switches the file to WAL; a read-only file opens read-only.
-            database, uri = open_sqlite(target.address)
-            with mapped_errors("open"):
-                conn = sqlite3.connect(
-                    database, uri=uri, check_same_thread=False, timeout=SQLITE_BUSY_TIMEOUT_S
-                )
-            with closing(conn):
+            with closing(connect_sqlite(target.address)) as conn:
                 yield cls(RidingSqliteSaver(conn, serde=compressed_serde()), artifacts=artifacts)
         else:
-            from taskpilots_graph.checkpointers._pg_connect import PooledPostgresSaver, open_pool
+            from taskpilots_graph.checkpointers._pg_connect import open_pool
+            from taskpilots_graph.checkpointers._pg_savers import PooledPostgresSaver
 
             with open_pool(target.address, pool_size, connect_timeout=connect_timeout) as pool:
                 saver = PooledPostgresSaver(pool, serde=compressed_serde())

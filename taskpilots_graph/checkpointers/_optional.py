@@ -4,7 +4,8 @@ LangGraph's own in-memory and SQLite savers implement neither ``copy_thread`` no
 ``delete_for_runs`` (nor ``prune``: see :mod:`.retention`), and its PostgreSQL saver only
 ``prune``. LangGraph tooling, and its conformance suite, find out what a saver can do by
 looking for an override on its type, so a wrapper that overrides them must have them
-everywhere. They are built here once for memory, SQLite and PostgreSQL.
+everywhere. They are built here once for memory, SQLite and PostgreSQL (each one's own
+rows: :mod:`._backend_rows`).
 
 ``copy_thread(source, target)``
     Copies every checkpoint of every namespace, oldest first, through the checkpointer's
@@ -62,21 +63,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import json
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import WRITES_IDX_MAP, CheckpointTuple
-from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.checkpoint.sqlite import SqliteSaver
-from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
-from taskpilots_graph.checkpointers._sqlite_connect import mapped_errors
+from taskpilots_graph._twins import Steps, arun_steps, asynced, both, io, run_steps, synced
+from taskpilots_graph.checkpointers._backend_rows import Rows, rows_for
 from taskpilots_graph.checkpointers.base import DecisionRecord, PendingRecord
-from taskpilots_graph.checkpointers.memory import AsyncMemoryStore, MemoryStore
-from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
+from taskpilots_graph.errors import ConfigurationError, ThreadNotFound
 from taskpilots_graph.events import Event, EventRecord, check_thread_id, encode_payload
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus, Step, default_key, next_step
 
@@ -85,21 +81,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COPIED_FROM",
-    "DELTA_MARKERS",
     "acopy_thread",
     "adelete_for_runs",
     "copied_entry",
     "copy_thread",
     "delete_for_runs",
-    "rows_for",
 ]
 
 COPIED_FROM = "copied_from"
 """Key in ``LedgerEntry.extra`` of a copied entry: the source thread, key and status."""
-
-DELTA_MARKERS = ("counters_since_delta_snapshot", "delta_writes_versioned")
-"""Checkpoint metadata keys of threads that use a ``DeltaChannel`` (as LangGraph's
-PostgreSQL saver detects them): their values are rebuilt from older checkpoints."""
 
 # The key prefix of an effect's undo (``nodes._undo.undo_key``; the checkpointers do not
 # import the nodes, which import them).
@@ -108,8 +98,6 @@ _UNDO = "undo:"
 # Event payload fields that name a ledger key (``_protocol``: the call's own, and the
 # earlier effect a caught repeat returned).
 _KEY_FIELDS = ("key", "earlier_key")
-
-T = TypeVar("T")
 
 
 # -- the copy, I/O free -------------------------------------------------------------------
@@ -252,14 +240,6 @@ def _put(tup: CheckpointTuple, target: str, paths: Mapping[tuple[str, str, str],
     return _Put(config, tup.checkpoint, dict(tup.metadata or {}), versions, writes)
 
 
-def _refuse_target(target: str, has_checkpoint: bool, events: int, entries: int) -> None:
-    if has_checkpoint or events or entries:
-        raise ConfigurationError(
-            f"copy_thread: the target thread {target!r} already has checkpoints or recovery "
-            "records; copy to a new thread id (or delete_thread the target first)"
-        )
-
-
 def _check_ids(source: str, target: str) -> None:
     check_thread_id(source)
     check_thread_id(target)
@@ -301,7 +281,11 @@ def _copy_thread(cp: RecoveryAPI, source: str, target: str, rows: Rows) -> Steps
     has_checkpoint = bool((yield both(_listed, _alisted, cp, _config(target), 1)))
     events = yield io(cp, "_call", "events", target)
     entries = yield io(cp, "ledger", target)
-    _refuse_target(target, has_checkpoint, len(events), len(entries))
+    if has_checkpoint or events or entries:
+        raise ConfigurationError(
+            f"copy_thread: the target thread {target!r} already has checkpoints or recovery "
+            "records; copy to a new thread id (or delete_thread the target first)"
+        )
     yield io(cp, "append_records", [], flush=source)  # the source's deferred events too
     entries = yield io(cp, "ledger", source)
     events = yield io(cp, "_call", "events", source)
@@ -339,352 +323,13 @@ def _write_records(cp: RecoveryAPI, plan: _Records) -> Steps[None]:
         yield io(cp, "_call", "ledger_write", entry, expect=None, events=records)
 
 
-def delete_for_runs(cp: RecoveryAPI, run_ids: Sequence[str]) -> None:
+def _delete_for_runs(cp: RecoveryAPI, run_ids: Sequence[str]) -> Steps[None]:
     """Delete the runs' checkpoints and writes (see the module docs)."""
-    runs = _run_ids(run_ids)
-    if runs:
-        rows_for(cp, "delete_for_runs").delete_for_runs(runs)
-
-
-async def adelete_for_runs(cp: RecoveryAPI, run_ids: Sequence[str]) -> None:
-    """Async form of :func:`delete_for_runs`."""
-    runs = _run_ids(run_ids)
-    if runs:
-        await rows_for(cp, "delete_for_runs").adelete_for_runs(runs)
-
-
-def _run_ids(run_ids: Sequence[str]) -> list[str]:
     if isinstance(run_ids, str):
         raise ConfigurationError("run_ids must be a sequence of run ids, not a str")
-    return list(dict.fromkeys(str(r) for r in run_ids))
+    if runs := list(dict.fromkeys(str(r) for r in run_ids)):
+        yield io(rows_for(cp, "delete_for_runs"), "delete_for_runs", runs)
 
 
-# -- rows the public saver API does not reach ------------------------------------------------
-
-
-class Rows:
-    """Reads and deletions of one backend's own rows, sync and async.
-
-    A backend implements one form (a sync saver the plain methods, an async saver the
-    ``a``-prefixed ones) and the other is bridged: a worker thread for a sync saver, the
-    saver's own event loop for an async one (from another thread, as LangGraph's async
-    savers allow their sync methods).
-    """
-
-    has_async = True
-    """Whether the wrapped saver's own async methods work (not so for sync savers)."""
-
-    own_prune = False
-    """Whether the wrapped saver has LangGraph's ``prune`` itself (PostgreSQL)."""
-
-    def task_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        """The task path of each (namespace, checkpoint id, task id) with pending writes."""
-        return self._bridge(self.atask_paths(thread_id))
-
-    def decisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        """The thread's model decisions: (namespace, input digest, message, created at)."""
-        return self._bridge(self.adecisions(thread_id))
-
-    def copy_artifacts(self, source: str, target: str) -> None:
-        """Give ``target`` its own copy of every artifact of ``source``."""
-        self._bridge(self.acopy_artifacts(source, target))
-
-    def delete_for_runs(self, run_ids: list[str]) -> None:
-        """Delete the runs' checkpoints and their writes in one transaction."""
-        self._bridge(self.adelete_for_runs(run_ids))
-
-    def delta_threads(self, thread_ids: list[str]) -> list[str]:
-        """The threads among ``thread_ids`` that use a ``DeltaChannel``."""
-        return self._bridge(self.adelta_threads(thread_ids))
-
-    async def atask_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        """Async form of :meth:`task_paths`."""
-        return await asyncio.to_thread(self.task_paths, thread_id)
-
-    async def adecisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        """Async form of :meth:`decisions`."""
-        return await asyncio.to_thread(self.decisions, thread_id)
-
-    async def acopy_artifacts(self, source: str, target: str) -> None:
-        """Async form of :meth:`copy_artifacts`."""
-        await asyncio.to_thread(self.copy_artifacts, source, target)
-
-    async def adelete_for_runs(self, run_ids: list[str]) -> None:
-        """Async form of :meth:`delete_for_runs`."""
-        await asyncio.to_thread(self.delete_for_runs, run_ids)
-
-    async def adelta_threads(self, thread_ids: list[str]) -> list[str]:
-        """Async form of :meth:`delta_threads`."""
-        return await asyncio.to_thread(self.delta_threads, thread_ids)
-
-    def _bridge(self, coro: Coroutine[Any, Any, T]) -> T:
-        coro.close()
-        raise NotImplementedError  # every backend implements one of the two forms
-
-
-def rows_for(cp: RecoveryAPI, operation: str) -> Rows:
-    """The row access for ``cp``'s wrapped saver.
-
-    Raises:
-        UnsupportedOperation: For a saver this library does not know the tables of.
-    """
-    inner = cp.inner
-    if isinstance(inner, InMemorySaver):
-        store = getattr(cp, "store", None)  # both checkpointers have one
-        memory = store.sync if isinstance(store, AsyncMemoryStore) else store
-        if not isinstance(memory, MemoryStore):
-            raise UnsupportedOperation(operation, f"{type(inner).__name__} with a custom store")
-        return _MemoryRows(inner, memory)
-    if isinstance(inner, SqliteSaver):
-        return _SqliteRows(inner)
-    if isinstance(inner, AsyncSqliteSaver):
-        return _AsyncSqliteRows(inner)
-    if any(c.__module__.startswith("langgraph.checkpoint.postgres") for c in type(inner).__mro__):
-        from taskpilots_graph.checkpointers._optional_pg import postgres_rows
-
-        return postgres_rows(inner, operation)
-    raise UnsupportedOperation(operation, type(inner).__name__)
-
-
-class _MemoryRows(Rows):
-    """``InMemorySaver``'s dictionaries and the in-memory recovery store (no I/O: both
-    forms run inline)."""
-
-    def __init__(self, saver: InMemorySaver, store: MemoryStore) -> None:
-        self.saver = saver
-        self.store = store
-
-    def task_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        return {
-            (ns, checkpoint_id, task_id): path
-            for (t, ns, checkpoint_id), writes in list(self.saver.writes.items())
-            if t == thread_id
-            for task_id, _, _, path in writes.values()
-        }
-
-    def decisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        # The store has no listing of its own; read under its lock, as it does.
-        store = self.store
-        with store._lock:
-            return [
-                (ns, digest, message, store._decided_at[(t, ns, digest)])
-                for (t, ns, digest), message in store._decisions.items()
-                if t == thread_id
-            ]
-
-    def copy_artifacts(self, source: str, target: str) -> None:
-        with self.store._lock:
-            for copies in self.store._artifacts.values():
-                if source in copies:
-                    copies.setdefault(target, copies[source])
-
-    def delete_for_runs(self, run_ids: list[str]) -> None:
-        runs = set(run_ids)
-        saver = self.saver
-        for thread_id, namespaces in list(saver.storage.items()):
-            for ns, checkpoints in list(namespaces.items()):
-                gone = [
-                    checkpoint_id
-                    for checkpoint_id, (_, metadata, _) in list(checkpoints.items())
-                    if saver.serde.loads_typed(metadata).get("run_id") in runs
-                ]
-                if gone:
-                    drop_memory_checkpoints(saver, thread_id, ns, gone)
-
-    def delta_threads(self, thread_ids: list[str]) -> list[str]:
-        saver = self.saver
-        return [
-            thread_id
-            for thread_id in thread_ids
-            if any(
-                marker in saver.serde.loads_typed(metadata)
-                for checkpoints in list(saver.storage.get(thread_id, {}).values())
-                for _, metadata, _ in list(checkpoints.values())
-                for marker in DELTA_MARKERS
-            )
-        ]
-
-    async def atask_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        return self.task_paths(thread_id)
-
-    async def adecisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        return self.decisions(thread_id)
-
-    async def acopy_artifacts(self, source: str, target: str) -> None:
-        self.copy_artifacts(source, target)
-
-    async def adelete_for_runs(self, run_ids: list[str]) -> None:
-        self.delete_for_runs(run_ids)
-
-    async def adelta_threads(self, thread_ids: list[str]) -> list[str]:
-        return self.delta_threads(thread_ids)
-
-
-def drop_memory_checkpoints(
-    saver: InMemorySaver, thread_id: str, ns: str, checkpoint_ids: Iterable[str]
-) -> int:
-    """Delete checkpoints of one namespace from an ``InMemorySaver``, with their writes and
-    the channel values no remaining checkpoint refers to; returns how many were deleted.
-
-    Only values a deleted checkpoint referred to are candidates: a ``put`` running
-    meanwhile stores its new values (new versions) before its checkpoint, and those are
-    never touched.
-    """
-    checkpoints = saver.storage.get(thread_id, {}).get(ns, {})
-    freed: set[tuple[str, Any]] = set()
-    removed = 0
-    for checkpoint_id in checkpoint_ids:
-        stored = checkpoints.pop(checkpoint_id, None)
-        if stored is None:
-            continue
-        removed += 1
-        freed.update(saver.serde.loads_typed(stored[0]).get("channel_versions", {}).items())
-        saver.writes.pop((thread_id, ns, checkpoint_id), None)
-    kept = {
-        item
-        for stored in list(checkpoints.values())
-        for item in saver.serde.loads_typed(stored[0]).get("channel_versions", {}).items()
-    }
-    for channel, version in freed - kept:
-        saver.blobs.pop((thread_id, ns, channel, version), None)
-    return removed
-
-
-# SQLite: SqliteSaver keeps each checkpoint whole (values inline) in ``checkpoints`` and its
-# pending writes in ``writes``; metadata is JSON text. The recovery tables are the store's.
-_SQLITE_RUNS = "SELECT value FROM json_each(?)"
-_SQLITE = {
-    "task_paths": "SELECT DISTINCT checkpoint_ns, checkpoint_id, task_id, task_path "
-    "FROM writes WHERE thread_id = ?",
-    "decisions": "SELECT checkpoint_ns, input_digest, message, created_at "
-    "FROM taskpilots_decisions WHERE thread_id = ?",
-    "copy_artifacts": "INSERT INTO taskpilots_artifacts "
-    "(id, thread_id, media_type, size, created_at, payload) "
-    "SELECT id, ?, media_type, size, created_at, payload FROM taskpilots_artifacts "
-    "WHERE thread_id = ? ON CONFLICT (id, thread_id) DO NOTHING",
-    "delete_writes": "DELETE FROM writes WHERE EXISTS (SELECT 1 FROM checkpoints c "
-    "WHERE c.thread_id = writes.thread_id AND c.checkpoint_ns = writes.checkpoint_ns "
-    "AND c.checkpoint_id = writes.checkpoint_id "
-    f"AND json_extract(CAST(c.metadata AS TEXT), '$.run_id') IN ({_SQLITE_RUNS}))",
-    "delete_checkpoints": "DELETE FROM checkpoints WHERE "
-    f"json_extract(CAST(metadata AS TEXT), '$.run_id') IN ({_SQLITE_RUNS})",
-    "delta": "SELECT DISTINCT thread_id FROM checkpoints "
-    "WHERE thread_id IN (SELECT value FROM json_each(?)) AND ("
-    + " OR ".join(
-        f"json_extract(CAST(metadata AS TEXT), '$.{m}') IS NOT NULL" for m in DELTA_MARKERS
-    )
-    + ")",
-}
-
-
-class _SqliteRows(Rows):
-    """``SqliteSaver``'s file, on its connection and under its lock."""
-
-    has_async = False
-
-    def __init__(self, saver: SqliteSaver) -> None:
-        self.saver = saver
-
-    def _run(self, operation: str, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        conn = self.saver.conn
-        with mapped_errors(operation), self.saver.cursor(transaction=False) as cur:
-            try:
-                rows = [cur.execute(sql, params).fetchall() for sql, params in statements]
-                conn.commit()
-            except BaseException:
-                conn.rollback()
-                raise
-        return rows[-1] if rows else []
-
-    def task_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        found = self._run("copy_thread", [(_SQLITE["task_paths"], (thread_id,))])
-        return {(ns, cid, task): path for ns, cid, task, path in found}
-
-    def decisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        found = self._run("copy_thread", [(_SQLITE["decisions"], (thread_id,))])
-        return [(ns, d, m, float(at)) for ns, d, m, at in found]
-
-    def copy_artifacts(self, source: str, target: str) -> None:
-        self._run("copy_thread", [(_SQLITE["copy_artifacts"], (target, source))])
-
-    def delete_for_runs(self, run_ids: list[str]) -> None:
-        runs = (json.dumps(run_ids),)
-        self._run(
-            "delete_for_runs",
-            [(_SQLITE["delete_writes"], runs), (_SQLITE["delete_checkpoints"], runs)],
-        )
-
-    def delta_threads(self, thread_ids: list[str]) -> list[str]:
-        found = self._run("prune", [(_SQLITE["delta"], (json.dumps(thread_ids),))])
-        return [str(row[0]) for row in found]
-
-
-class _AsyncSqliteRows(Rows):
-    """``AsyncSqliteSaver``'s file, on its connection and under its lock."""
-
-    def __init__(self, saver: AsyncSqliteSaver) -> None:
-        self.saver = saver
-
-    async def _run(
-        self, operation: str, statements: Sequence[tuple[str, Sequence[Any]]]
-    ) -> list[Any]:
-        await self.saver.setup()  # takes the lock itself
-        conn = self.saver.conn
-        rows: list[Any] = []
-        async with self.saver.lock:
-            with mapped_errors(operation):
-                try:
-                    for sql, params in statements:
-                        async with conn.execute(sql, params) as cur:
-                            rows = list(await cur.fetchall())
-                    await conn.commit()
-                except BaseException:
-                    await conn.rollback()
-                    raise
-        return rows
-
-    async def atask_paths(self, thread_id: str) -> dict[tuple[str, str, str], str]:
-        found = await self._run("copy_thread", [(_SQLITE["task_paths"], (thread_id,))])
-        return {(ns, cid, task): path for ns, cid, task, path in found}
-
-    async def adecisions(self, thread_id: str) -> list[tuple[str, str, str, float]]:
-        found = await self._run("copy_thread", [(_SQLITE["decisions"], (thread_id,))])
-        return [(ns, d, m, float(at)) for ns, d, m, at in found]
-
-    async def acopy_artifacts(self, source: str, target: str) -> None:
-        await self._run("copy_thread", [(_SQLITE["copy_artifacts"], (target, source))])
-
-    async def adelete_for_runs(self, run_ids: list[str]) -> None:
-        runs = (json.dumps(run_ids),)
-        await self._run(
-            "delete_for_runs",
-            [(_SQLITE["delete_writes"], runs), (_SQLITE["delete_checkpoints"], runs)],
-        )
-
-    async def adelta_threads(self, thread_ids: list[str]) -> list[str]:
-        found = await self._run("prune", [(_SQLITE["delta"], (json.dumps(thread_ids),))])
-        return [str(row[0]) for row in found]
-
-    def _bridge(self, coro: Coroutine[Any, Any, T]) -> T:
-        return bridge(self.saver.loop, coro)
-
-
-def bridge(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on an async saver's ``loop`` from another thread, as the saver's own
-    sync methods do.
-
-    Raises:
-        asyncio.InvalidStateError: When called on that loop's thread (it would wait on
-            itself forever): use the async form there.
-    """
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        coro.close()
-        raise asyncio.InvalidStateError(
-            "synchronous calls to an async checkpointer are only allowed from a different "
-            "thread; from the event loop use the a-prefixed method"
-        )
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+delete_for_runs = synced(_delete_for_runs)
+adelete_for_runs = asynced(_delete_for_runs)

@@ -13,7 +13,7 @@ from typing import Any, Final
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
-from taskpilots_graph.checkpointers._optional import Rows, bridge
+from taskpilots_graph.checkpointers._backend_rows import Rows, bridge
 from taskpilots_graph.errors import UnsupportedOperation
 
 __all__ = ["postgres_rows"]

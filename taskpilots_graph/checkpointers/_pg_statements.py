@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._migrations import SCHEMA_VERSION
 from taskpilots_graph.checkpointers._rows import ledger_write_sql
 from taskpilots_graph.checkpointers._sqlstore import (
     SqlBodies,
@@ -148,7 +149,7 @@ class PostgresBodies(SqlBodies):
         if pending_migrations(_D, current):  # (a newer schema raises there)
             raise MigrationError(
                 f"the database schema is at version {current}, older than this library's "
-                f"{sql.SCHEMA_VERSION}; call checkpointer.setup() once to migrate it"
+                f"{SCHEMA_VERSION}; call checkpointer.setup() once to migrate it"
             )
         self.schema_checked = True
 

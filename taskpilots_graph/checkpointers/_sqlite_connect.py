@@ -1,9 +1,10 @@
 """The SQLite file as ``from_conn_string`` opens it, and the savers it opens on it.
 
-:func:`open_sqlite` checks the path and switches the file to WAL; :func:`mapped_errors` types
-sqlite3's failures. The savers (:class:`RidingSqliteSaver`, :class:`RidingAsyncSqliteSaver`)
-write a checkpoint's message rows in the checkpoint's own transaction
-(:class:`~taskpilots_graph.checkpointers.messages.Ride`): one commit, one fsync.
+:func:`open_sqlite` checks the path and switches the file to WAL (:func:`enable_wal`);
+:func:`sqlite_error` and :func:`mapped_errors` type sqlite3's failures. The savers
+(:class:`RidingSqliteSaver`, :class:`RidingAsyncSqliteSaver`) write a checkpoint's message
+rows in the checkpoint's own transaction (:class:`~taskpilots_graph.checkpointers.messages.Ride`):
+one commit, one fsync.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 from urllib.parse import quote
 
+import aiosqlite
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     ChannelVersions,
@@ -27,22 +30,96 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph.checkpointers.base import (
-    SQLITE_BUSY_TIMEOUT_S,
-    enable_wal,
-    sqlite_error,
-    sqlite_path,
+from taskpilots_graph.checkpointers._ride_rows import pending_ride
+from taskpilots_graph.errors import (
+    ConfigurationError,
+    StorageBusy,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
 )
-from taskpilots_graph.checkpointers.messages import pending_ride
-from taskpilots_graph.errors import ConfigurationError, StorageUnavailable
 
 __all__ = [
+    "SQLITE_BUSY_TIMEOUT_S",
     "RidingAsyncSqliteSaver",
     "RidingSqliteSaver",
+    "aconnect_sqlite",
     "committing",
+    "connect_sqlite",
+    "enable_wal",
     "mapped_errors",
     "open_sqlite",
+    "sqlite_error",
+    "sqlite_path",
 ]
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+"""How long a SQLite writer waits for another process's write before failing."""
+
+
+def enable_wal(execute: Callable[[str], Any]) -> None:
+    """Switch a SQLite file to WAL once, retrying while another process holds it.
+
+    LangGraph's SqliteSaver switches the journal mode inside its lazy ``setup()``; on a fresh
+    file opened by two processes at once that switch fails with SQLITE_BUSY at once (the busy
+    timeout does not cover it). Done here first, with retries, the saver's own switch is a
+    no-op.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = getattr(exc, "sqlite_errorcode", None) in (
+                sqlite3.SQLITE_BUSY,
+                sqlite3.SQLITE_LOCKED,
+            )
+            if not busy or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def sqlite_error(exc: sqlite3.Error, operation: str) -> StorageError | None:
+    """The typed error for a sqlite3 error, read from its result code (never its text).
+
+    ``None`` for codes that are not storage conditions (a constraint, a programming error):
+    those keep their own type.
+    """
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(code, int):
+        return None
+    primary = code & 0xFF  # extended codes (SQLITE_BUSY_SNAPSHOT, ...) keep the primary
+    reason = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
+    where = {"backend": "sqlite", "operation": operation}
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return StorageBusy(
+            f"{reason}: another connection held the file past the busy timeout; nothing "
+            "of this operation was written, retry later",
+            **where,
+        )
+    if primary == sqlite3.SQLITE_READONLY:
+        return StorageReadOnly(f"{reason}: the file is open read-only (inspection only)", **where)
+    if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return StorageUnavailable(
+            f"{reason}: the file is not a SQLite database, or it is damaged", **where
+        )
+    if primary in (
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_PERM,
+        sqlite3.SQLITE_AUTH,
+    ):
+        return StorageUnavailable(reason, **where)
+    return None
+
+
+def sqlite_path(address: str) -> str:
+    """Create the parent folder of a SQLite file, so ``.taskpilots/runs.db`` just works."""
+    if address != ":memory:" and not address.startswith("file:"):
+        Path(address).parent.mkdir(parents=True, exist_ok=True)
+    return address
 
 
 @contextmanager
@@ -108,6 +185,24 @@ def open_sqlite(address: str) -> tuple[str, bool]:
     if read_only:
         return f"file:{quote(str(path.resolve()))}?mode=ro", True
     return address, False
+
+
+def connect_sqlite(address: str) -> sqlite3.Connection:
+    """The connection the saver and the store share, on a file prepared by :func:`open_sqlite`
+    (a file this process may not write opens read-only)."""
+    database, uri = open_sqlite(address)
+    with mapped_errors("open"):
+        return sqlite3.connect(
+            database, uri=uri, check_same_thread=False, timeout=SQLITE_BUSY_TIMEOUT_S
+        )
+
+
+async def aconnect_sqlite(address: str) -> aiosqlite.Connection:
+    """Async twin of :func:`connect_sqlite` (the file is prepared on a short-lived sync
+    connection)."""
+    database, uri = open_sqlite(address)
+    with mapped_errors("open"):
+        return await aiosqlite.connect(database, uri=uri, timeout=SQLITE_BUSY_TIMEOUT_S)
 
 
 @contextmanager

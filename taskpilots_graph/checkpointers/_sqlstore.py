@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, Concatenate, Literal, NamedTuple, ParamSpec, TypeVar
 
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._migrations import MIGRATIONS, SCHEMA_VERSION
 from taskpilots_graph.checkpointers._rows import (
     decision_params,
     ledger_list_sql,
@@ -81,12 +82,12 @@ def pending_migrations(dialect: sql.Dialect, current: int) -> list[tuple[int, st
     Raises:
         MigrationError: The schema is newer than this library's.
     """
-    if current > sql.SCHEMA_VERSION:
+    if current > SCHEMA_VERSION:
         raise MigrationError(
             f"the database schema is at version {current}, newer than this library's "
-            f"{sql.SCHEMA_VERSION}; upgrade taskpilots-graph"
+            f"{SCHEMA_VERSION}; upgrade taskpilots-graph"
         )
-    return [(v, sql.MIGRATIONS[dialect][v - 1]) for v in range(current + 1, sql.SCHEMA_VERSION + 1)]
+    return [(v, MIGRATIONS[dialect][v - 1]) for v in range(current + 1, SCHEMA_VERSION + 1)]
 
 
 def fetched(cur: Any, fetch: Fetch) -> Any:

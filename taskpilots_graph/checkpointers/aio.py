@@ -11,19 +11,12 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-from taskpilots_graph.checkpointers._api import RecoveryAPI, checked_artifact_store
-from taskpilots_graph.checkpointers._sqlite_connect import (
-    RidingAsyncSqliteSaver,
-    mapped_errors,
-    open_sqlite,
-)
+from taskpilots_graph.checkpointers._api import RecoveryAPI
+from taskpilots_graph.checkpointers._artifact_access import checked_artifact_store
+from taskpilots_graph.checkpointers._conn_string import DEFAULT_POOL_SIZE, parse_conn_string
+from taskpilots_graph.checkpointers._sqlite_connect import RidingAsyncSqliteSaver, aconnect_sqlite
 from taskpilots_graph.checkpointers.artifacts import ArtifactStore
-from taskpilots_graph.checkpointers.base import (
-    DEFAULT_POOL_SIZE,
-    SQLITE_BUSY_TIMEOUT_S,
-    AsyncRecoveryStore,
-    parse_conn_string,
-)
+from taskpilots_graph.checkpointers.base import AsyncRecoveryStore
 from taskpilots_graph.checkpointers.memory import AsyncMemoryStore
 from taskpilots_graph.checkpointers.serde import compressed_serde
 from taskpilots_graph.checkpointers.sqlite import AsyncSqliteStore
@@ -110,22 +103,15 @@ class AsyncRecoveryCheckpointer(RecoveryAPI):
         if target.backend == "memory":
             yield cls(InMemorySaver(), artifacts=artifacts)
         elif target.backend == "sqlite":
-            import aiosqlite
-
-            # As in the sync twin; WAL is switched on a short-lived sync connection first.
-            database, uri = open_sqlite(target.address)
-            with mapped_errors("open"):
-                conn = await aiosqlite.connect(database, uri=uri, timeout=SQLITE_BUSY_TIMEOUT_S)
+            conn = await aconnect_sqlite(target.address)
             try:
                 sqlite_saver = RidingAsyncSqliteSaver(conn, serde=compressed_serde())
                 yield cls(sqlite_saver, artifacts=artifacts)
             finally:
                 await conn.close()
         else:
-            from taskpilots_graph.checkpointers._pg_connect import (
-                PooledAsyncPostgresSaver,
-                open_async_pool,
-            )
+            from taskpilots_graph.checkpointers._pg_connect import open_async_pool
+            from taskpilots_graph.checkpointers._pg_savers import PooledAsyncPostgresSaver
 
             async with open_async_pool(
                 target.address, pool_size, connect_timeout=connect_timeout

@@ -1,190 +1,34 @@
 """Pieces shared by the sync and async recovery checkpointers (I/O free): the recovery store
 protocols (a store also keeps artifacts, :mod:`.artifacts`, and compacts its event log in
-place), connection-string parsing, SQLite error mapping and event-row decoding.
+place), the records a store writes beside a ledger entry, and event-row decoding.
 """
 
 from __future__ import annotations
 
-import sqlite3
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol
-from urllib.parse import urlsplit
-
-from langgraph.checkpoint.base import BaseCheckpointSaver
+from typing import Any, Protocol
 
 from taskpilots_graph.checkpointers.artifacts import PreparedArtifact
 from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compaction import CompactionPolicy
-from taskpilots_graph.errors import (
-    ConfigurationError,
-    CorruptRecordError,
-    StorageBusy,
-    StorageError,
-    StorageReadOnly,
-    StorageUnavailable,
-    UnsupportedOperation,
-)
+from taskpilots_graph.errors import CorruptRecordError
 from taskpilots_graph.events import Event, EventRecord, event_from_row
 from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = [
-    "DEFAULT_POOL_SIZE",
-    "SQLITE_BUSY_TIMEOUT_S",
     "AsyncMessageStore",
     "AsyncRecoveryStore",
-    "ConnTarget",
     "DecisionRecord",
     "HeldCommit",
     "MessageStore",
     "PendingRecord",
     "RecoveryStore",
-    "enable_wal",
-    "parse_conn_string",
-    "require_override",
     "rows_to_events",
     "skipping_corrupt_events",
-    "sqlite_error",
-    "sqlite_path",
 ]
-
-Backend = Literal["memory", "sqlite", "postgres"]
-
-SQLITE_BUSY_TIMEOUT_S = 30.0
-"""How long a SQLite writer waits for another process's write before failing."""
-
-DEFAULT_POOL_SIZE = 8
-"""Connections in the PostgreSQL pool that the saver and the recovery store share."""
-
-
-def enable_wal(execute: Callable[[str], Any]) -> None:
-    """Switch a SQLite file to WAL once, retrying while another process holds it.
-
-    LangGraph's SqliteSaver switches the journal mode inside its lazy ``setup()``; on a fresh
-    file opened by two processes at once that switch fails with SQLITE_BUSY at once (the busy
-    timeout does not cover it). Done here first, with retries, the saver's own switch is a
-    no-op.
-    """
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
-    while True:
-        try:
-            execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            busy = getattr(exc, "sqlite_errorcode", None) in (
-                sqlite3.SQLITE_BUSY,
-                sqlite3.SQLITE_LOCKED,
-            )
-            if not busy or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-
-def sqlite_error(exc: sqlite3.Error, operation: str) -> StorageError | None:
-    """The typed error for a sqlite3 error, read from its result code (never its text).
-
-    ``None`` for codes that are not storage conditions (a constraint, a programming error):
-    those keep their own type.
-    """
-    code = getattr(exc, "sqlite_errorcode", None)
-    if not isinstance(code, int):
-        return None
-    primary = code & 0xFF  # extended codes (SQLITE_BUSY_SNAPSHOT, ...) keep the primary
-    reason = f"{exc} ({getattr(exc, 'sqlite_errorname', code)})"
-    where = {"backend": "sqlite", "operation": operation}
-    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-        return StorageBusy(
-            f"{reason}: another connection held the file past the busy timeout; nothing "
-            "of this operation was written, retry later",
-            **where,
-        )
-    if primary == sqlite3.SQLITE_READONLY:
-        return StorageReadOnly(f"{reason}: the file is open read-only (inspection only)", **where)
-    if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
-        return StorageUnavailable(
-            f"{reason}: the file is not a SQLite database, or it is damaged", **where
-        )
-    if primary in (
-        sqlite3.SQLITE_CANTOPEN,
-        sqlite3.SQLITE_IOERR,
-        sqlite3.SQLITE_FULL,
-        sqlite3.SQLITE_PERM,
-        sqlite3.SQLITE_AUTH,
-    ):
-        return StorageUnavailable(reason, **where)
-    return None
-
-
-def sqlite_path(address: str) -> str:
-    """Create the parent folder of a SQLite file, so ``.taskpilots/runs.db`` just works."""
-    if address != ":memory:" and not address.startswith("file:"):
-        Path(address).parent.mkdir(parents=True, exist_ok=True)
-    return address
-
-
-@dataclass(frozen=True, slots=True)
-class ConnTarget:
-    """Where a connection string points: the backend and its native address."""
-
-    backend: Backend
-    address: str
-
-
-def parse_conn_string(conn_string: str) -> ConnTarget:
-    """Resolve a connection string to a backend.
-
-    Accepted forms: ``":memory:"`` (LangGraph's in-memory saver), ``"sqlite:///path.db"``,
-    ``"sqlite:///:memory:"``, a plain file path with no ``:`` before its first ``/``, and
-    ``"postgresql://..."`` / ``"postgres://..."``.
-
-    Raises:
-        ConfigurationError: For an empty string, an unknown URL scheme, a scheme typo
-            (``postgresql:/db``, ``sqlite:/runs.db``) or a malformed PostgreSQL URL; nothing
-            is opened or created.
-    """
-    if not isinstance(conn_string, str) or not conn_string.strip():
-        raise ConfigurationError(
-            "connection string is empty; use ':memory:', 'sqlite:///path/runs.db' "
-            "or 'postgresql://user@host/db'"
-        )
-    if conn_string == ":memory:":
-        return ConnTarget("memory", conn_string)
-    if conn_string.startswith(("postgresql://", "postgres://")):
-        try:
-            urlsplit(conn_string)  # brackets, IPv6 literals: what every URL reader needs
-        except ValueError as exc:
-            raise ConfigurationError(
-                f"malformed PostgreSQL URL ({exc}); use 'postgresql://user@host:port/db'"
-            ) from exc
-        return ConnTarget("postgres", conn_string)
-    if conn_string.startswith("sqlite://"):
-        path = conn_string.removeprefix("sqlite://")
-        # sqlite:///rel.db -> "rel.db", sqlite:////abs.db -> "/abs.db" (SQLAlchemy's rule).
-        path = path.removeprefix("/")
-        if not path:
-            raise ConfigurationError(
-                f"{conn_string!r} names no file; use 'sqlite:///runs.db' or 'sqlite:///:memory:'"
-            )
-        return ConnTarget("sqlite", path)
-    scheme, sep, _ = conn_string.partition("://")
-    if sep:
-        raise ConfigurationError(
-            f"unsupported connection string scheme {scheme!r}; use ':memory:', "
-            "'sqlite:///path' or 'postgresql://...'"
-        )
-    if ":" in conn_string.partition("/")[0]:
-        # 'postgresql:/db', 'sqlite:/runs.db': a scheme typo must never become a local file
-        # (workers sharing the typo would each keep a private ledger).
-        raise ConfigurationError(
-            f"{conn_string!r} looks like a URL with a malformed scheme (a scheme is followed "
-            "by '://'); use 'sqlite:///path/runs.db' or 'postgresql://user@host/db', or "
-            f"'./{conn_string}' for a file whose name contains ':'"
-        )
-    return ConnTarget("sqlite", conn_string)
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,13 +283,3 @@ class AsyncMessageStore(Protocol):
 
     async def messages_read(self, thread_id: str, seq: int, length: int) -> list[LoadedRow]:
         """Async twin of :meth:`MessageStore.messages_read`."""
-
-
-def require_override(saver: BaseCheckpointSaver[Any], method: str) -> None:
-    """Raise :class:`UnsupportedOperation` if ``saver`` inherits ``method`` from the base.
-
-    LangGraph's base class raises a bare ``NotImplementedError`` for optional operations;
-    naming the backend tells the user which storage to switch to.
-    """
-    if getattr(type(saver), method) is getattr(BaseCheckpointSaver, method):
-        raise UnsupportedOperation(method, type(saver).__name__)

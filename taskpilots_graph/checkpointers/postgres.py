@@ -41,6 +41,7 @@ from taskpilots_graph.checkpointers._pg_statements import (
     ride_statements,
     written,
 )
+from taskpilots_graph.checkpointers._ride_rows import pending_ride
 from taskpilots_graph.checkpointers._sqlstore import (
     AsyncSqlQueries,
     SqlQueries,
@@ -53,7 +54,7 @@ from taskpilots_graph.checkpointers._sqlstore import (
     run_statements,
 )
 from taskpilots_graph.checkpointers.base import HeldCommit
-from taskpilots_graph.checkpointers.messages import MessageRows, pending_ride
+from taskpilots_graph.checkpointers.messages import MessageRows
 from taskpilots_graph.errors import ConfigurationError, MigrationError, StorageError
 
 __all__ = ["AsyncPostgresStore", "PostgresStore"]

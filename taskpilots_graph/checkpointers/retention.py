@@ -40,7 +40,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 
 from taskpilots_graph._thread_index import athread_ids, thread_ids
 from taskpilots_graph._twins import Steps, arun_steps, asynced, both, io, run_steps, synced
-from taskpilots_graph.checkpointers._optional import Rows, drop_memory_checkpoints, rows_for
+from taskpilots_graph.checkpointers._backend_rows import Rows, drop_memory_checkpoints, rows_for
 from taskpilots_graph.errors import ConfigurationError, ThreadNotFound, UnsupportedOperation
 from taskpilots_graph.events import Event, EventKind
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name

@@ -18,8 +18,9 @@ from typing import Any, Final, TypeVar
 
 from taskpilots_graph._twins import IO, Steps, arun_steps, run_steps
 from taskpilots_graph.checkpointers import _schema as sql
+from taskpilots_graph.checkpointers._ride_rows import pending_ride
 from taskpilots_graph.checkpointers._rows import ledger_write_sql
-from taskpilots_graph.checkpointers._sqlite_connect import committing, mapped_errors
+from taskpilots_graph.checkpointers._sqlite_connect import committing, mapped_errors, sqlite_error
 from taskpilots_graph.checkpointers._sqlstore import (
     AsyncSqlQueries,
     Fetch,
@@ -34,13 +35,8 @@ from taskpilots_graph.checkpointers._sqlstore import (
     run_statements,
     writes,
 )
-from taskpilots_graph.checkpointers.base import (
-    DecisionRecord,
-    HeldCommit,
-    PendingRecord,
-    sqlite_error,
-)
-from taskpilots_graph.checkpointers.messages import MessageRows, pending_ride
+from taskpilots_graph.checkpointers.base import DecisionRecord, HeldCommit, PendingRecord
+from taskpilots_graph.checkpointers.messages import MessageRows
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event, EventRecord
 

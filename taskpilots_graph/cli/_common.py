@@ -239,7 +239,7 @@ def checked_db(db: str | None, *, create: bool = False) -> str:
         StorageError: A missing SQLite file, a SQLite file that is not a taskpilots store,
             or an unreachable PostgreSQL server.
     """
-    from taskpilots_graph.checkpointers.base import parse_conn_string
+    from taskpilots_graph.checkpointers._conn_string import parse_conn_string
     from taskpilots_graph.errors import ConfigurationError, StorageError
 
     conn = resolve_db(db)

@@ -77,7 +77,7 @@ def _fresh_postgres(url: str, thread_ids: Sequence[str]) -> None:
         StorageError: The server cannot be reached, or the ``postgres`` extra is missing.
     """
     from taskpilots_graph.checkpointers import RecoveryCheckpointer
-    from taskpilots_graph.checkpointers.base import parse_conn_string
+    from taskpilots_graph.checkpointers._conn_string import parse_conn_string
     from taskpilots_graph.cli._common import checked_db
     from taskpilots_graph.errors import ConfigurationError
 

@@ -128,7 +128,7 @@ def threads(
             raise ConfigurationError(
                 f"unknown status {', '.join(unknown)}; use one of {', '.join(STATUSES)}"
             )
-        from taskpilots_graph.threads import list_threads
+        from taskpilots_graph.thread_listing import list_threads
 
         with open_store(db) as cp:
             infos = list_threads(cp)

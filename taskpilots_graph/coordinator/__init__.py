@@ -28,12 +28,8 @@ from taskpilots_graph.coordinator._plan import (
     find_cycle,
     plan_recovery,
 )
-from taskpilots_graph.coordinator._run import (
-    CoordinationReport,
-    Coordinator,
-    SubAgentReport,
-    create_coordinator,
-)
+from taskpilots_graph.coordinator._report import CoordinationReport, SubAgentReport
+from taskpilots_graph.coordinator._run import Coordinator, create_coordinator
 from taskpilots_graph.coordinator._waits import await_lock, wait_edges
 from taskpilots_graph.errors import MutualWait
 

@@ -29,9 +29,9 @@ parent event           meaning (payload keys)
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from langgraph.pregel import Pregel
@@ -40,74 +40,26 @@ from taskpilots_graph import _clock, runner
 from taskpilots_graph.coordinator._log import ParentLog
 from taskpilots_graph.coordinator._plan import (
     FailureAttribution,
-    SharedEffect,
     SubAgentState,
     attempt_thread_id,
     find_cycle,
-    plan_recovery,
 )
-from taskpilots_graph.coordinator._rerun import notice_id, rerun_input, rerun_notice
+from taskpilots_graph.coordinator._recover import MESSAGE_CHARS, Recovery
+from taskpilots_graph.coordinator._report import CoordinationReport, SubAgentReport
 from taskpilots_graph.coordinator._waits import STUCK_PREFIX, wait_edges
-from taskpilots_graph.engine._locks import lock_target
 from taskpilots_graph.errors import PendingTakeover, ThreadBusy, ThreadNotFound, ToolWaiting
 from taskpilots_graph.events import EventKind
 from taskpilots_graph.leases import Lease, LeaseBackend, new_owner, thread_lease_name
-from taskpilots_graph.ledger import LedgerStatus
-from taskpilots_graph.nodes.compensate import compensate_effect
 from taskpilots_graph.threads import thread_info
-from taskpilots_graph.tool_tables import find_executor
-from taskpilots_graph.tools import spec_of
 
 if TYPE_CHECKING:
     from taskpilots_graph.coordinator._run import Coordinator
 
-__all__ = ["CoordinationReport", "Drive", "SubAgentReport"]
+__all__ = ["Drive"]
 
-_MESSAGE_CHARS: Final = 500
 _MARK_TTL_S: Final = 10.0
 # Internal states of a dependency that will still move (so its dependents are not blocked).
 _MOVING: Final = ("start", "recover", "orphaned", "handoff", SubAgentState.RUNNING)
-
-
-@dataclass(frozen=True, slots=True)
-class SubAgentReport:
-    """How one sub-agent ended.
-
-    Attributes:
-        name: The sub-agent.
-        state: Where it stands.
-        thread_id: Its thread (``None`` if it never started); every attempt continues it.
-        attempts: Attempts started (a re-run is a new attempt, a resume is not).
-        resumes: Resumes of a dead worker's attempt by this coordinator.
-    """
-
-    name: str
-    state: SubAgentState
-    thread_id: str | None
-    attempts: int
-    resumes: int
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinationReport:
-    """The outcome of :meth:`Coordinator.run`.
-
-    Attributes:
-        parent: The coordinator's thread.
-        subagents: Per sub-agent, in plan order.
-        stuck: The sub-agents reported STUCK (a dependency cycle or a mutual wait).
-        attributions: The failures attributed during this run, in order.
-    """
-
-    parent: str
-    subagents: Mapping[str, SubAgentReport]
-    stuck: tuple[str, ...] = ()
-    attributions: tuple[FailureAttribution, ...] = ()
-
-    @property
-    def done(self) -> bool:
-        """Whether every sub-agent finished its work."""
-        return all(r.state is SubAgentState.DONE for r in self.subagents.values())
 
 
 class Drive:
@@ -119,6 +71,7 @@ class Drive:
         self.parent = parent
         self.inputs = inputs
         self.log = ParentLog.read(self.cp.events(parent))
+        self.recovery = Recovery(owner, parent, inputs, self.log, self.event)
         self.running: dict[str, Future[None]] = {}
         self.errors: dict[str, int] = {}
         self.attributions: list[FailureAttribution] = []
@@ -143,7 +96,7 @@ class Drive:
             self.log.planned = True
         # A coordinator that died mid-recovery recorded what to undo: finish it before any
         # sub-agent runs again on the object.
-        self.undo_pending()
+        self.recovery.undo_pending()
         cycle = self.c.plan.cycle()
         if cycle and not set(cycle) <= self.log.stuck:
             self.stuck("dependency_cycle", cycle)
@@ -244,16 +197,12 @@ class Drive:
 
     def act(self, pool: ThreadPoolExecutor, states: dict[str, str]) -> bool:
         acted = False
+        moves: dict[str, Callable[[str], None]] = {"recover": self.recover}
+        moves.update(orphaned=partial(self.resume, pool), handoff=partial(self.handoff, pool))
         for name in self.c.plan.tasks:
             state = states[name]
-            if state == "recover":
-                self.recover(name)
-                acted = True
-            elif state == "orphaned":
-                self.resume(pool, name)
-                acted = True
-            elif state == "handoff":
-                self.handoff(pool, name)
+            if state in moves:
+                moves[state](name)
                 acted = True
             elif state == "start":
                 deps = [states[d] for d in self.c.plan.tasks[name].depends_on]
@@ -280,17 +229,14 @@ class Drive:
         # earlier attempts committed (the repeat guard) instead of performing it again.
         thread = self.log.current(name) or attempt_thread_id(self.parent, name, 1)
         mark = self.turn_mark(thread) if attempt > 1 else None
-        self.event(
-            EventKind.AGENT_STARTED,
-            subagent=name,
-            thread_id=thread,
-            attempt=attempt,
-            **({"after": mark} if mark is not None else {}),
-        )
+        started: dict[str, Any] = {"subagent": name, "thread_id": thread, "attempt": attempt}
+        if mark is not None:
+            started["after"] = mark
+        self.event(EventKind.AGENT_STARTED, **started)
         self.log.threads.setdefault(name, []).append(thread)
         self.log.after[name] = mark
         self.log.fresh.discard(name)
-        self.submit(pool, name, runner.run, self.attempt_input(name, thread, attempt))
+        self.submit(pool, name, runner.run, self.recovery.attempt_input(name, thread, attempt))
 
     def handoff(self, pool: ThreadPoolExecutor, name: str) -> None:
         thread = self.log.current(name)
@@ -298,7 +244,7 @@ class Drive:
         attempt = self.log.attempts(name)
         why = FailureAttribution(self.parent, name, thread, "worker_lost")
         # The same notice (same message id): handed twice, it still appears once.
-        input = self.attempt_input(name, thread, attempt)
+        input = self.recovery.attempt_input(name, thread, attempt)
         self.resubmit(pool, why, runner.run, input, attempt=attempt, handoff=True)
 
     def resubmit(
@@ -312,30 +258,6 @@ class Drive:
         self.log.resumes[name] = self.log.resumes.get(name, 0) + 1
         self.submit(pool, name, fn, *args)
 
-    def attempt_input(self, name: str, thread: str, attempt: int) -> Any:
-        """The graph input of an attempt: the sub-agent's own for the first, the re-run
-        notice (what stands, what was undone, why) for the next ones."""
-        original = self.inputs[name]
-        recovery = self.log.recovery.get(name)
-        if attempt <= 1 or recovery is None:
-            return original
-        planned = [u for u in recovery.get("compensate") or () if u.get("subagent") == name]
-        undone_keys = {str(u["key"]) for u in planned}
-        entries = [e for t in dict.fromkeys(self.log.threads[name]) for e in self.cp.ledger(t)]
-        notice = rerun_notice(
-            name,
-            attempt=attempt,
-            max_attempts=self.c.max_attempts,
-            why=recovery.get("attribution") or {},
-            kept=[e for e in entries if e.status is LedgerStatus.COMMITTED],
-            # A planned undo a person chose to skip left its effect committed: kept.
-            undone=[
-                e for e in entries if e.key in undone_keys and e.status is LedgerStatus.COMPENSATED
-            ],
-            objects=sorted({str(u["object"]) for u in recovery.get("compensate") or ()}),
-        )
-        return rerun_input(original, notice, notice_id(thread, attempt))
-
     def resume(self, pool: ThreadPoolExecutor, name: str) -> None:
         thread = self.log.current(name)
         assert thread is not None
@@ -343,155 +265,24 @@ class Drive:
             step = thread_info(self.cp, thread).current_step
         except ThreadNotFound:
             step = None  # died before its first checkpoint
-        why = FailureAttribution(
-            self.parent,
-            name,
-            thread,
-            # A run that raised out of the graph here is an error; otherwise its worker died.
-            "error" if self.errors.get(name) else "worker_lost",
-            step=step.tool_call_id if step else None,
-            tool=step.using if step else None,
-        )
+        # A run that raised out of the graph here is an error; otherwise its worker died.
+        kind = "error" if self.errors.get(name) else "worker_lost"
+        where = {"step": step.tool_call_id, "tool": step.using} if step else {}
+        why = FailureAttribution(self.parent, name, thread, kind, **where)
         self.resubmit(pool, why, _resume, self.inputs[name])
-
-    def failed_attribution(self, name: str, thread: str) -> FailureAttribution:
-        failure = next(
-            (e for e in reversed(self.cp.events(thread)) if e.kind is EventKind.TOOL_FAILED),
-            None,
-        )
-        if failure is None:
-            return FailureAttribution(self.parent, name, thread, "failed")
-        p = failure.payload
-        detail = p.get("failure") or {}
-        return FailureAttribution(
-            self.parent,
-            name,
-            thread,
-            str(detail.get("kind") or "failed"),
-            step=p.get("tool_call_id"),
-            tool=p.get("tool"),
-            key=p.get("key"),
-            message=str(detail.get("message") or "")[:_MESSAGE_CHARS] or None,
-        )
 
     def recover(self, name: str) -> None:
         thread = self.log.current(name)
         assert thread is not None
-        attempt = self.log.attempts(name)
-        why = self.failed_attribution(name, thread)
+        why = self.recovery.attribution(name, thread)
         self.attributions.append(why)
-        started = [n for n in self.c.plan.tasks if self.log.threads.get(n)]
-        effects, undoable = self.committed(name)
-        sharers = {}
-        for other in started:
-            if other != name:
-                sharers[other], more = self.committed(other)
-                undoable |= more
-        decision = plan_recovery(
-            self.c.plan,
-            name,
-            effects,
-            started=started,
-            attempts=attempt,
-            max_attempts=self.c.max_attempts,
-            sharers=sharers,
-            undoable=undoable,
-        )
-        if decision.give_up:
+        if not self.recovery.decide(why, self.log.attempts(name)):
             self.give_up(name, why)
-            return
-        undo = [_effect(e) for e in decision.shared]
-        payload = {
-            "subagent": name,
-            "attempt": attempt,
-            "rerun": list(decision.rerun),
-            "compensate": undo,
-            "kept": [_effect(e) for e in decision.kept],
-            "attribution": why.payload(),
-        }
-        # The decision first, then the undo: a coordinator killed in between finishes the
-        # undo from this event when it starts again (``undo_pending``).
-        self.event(EventKind.RETRY_SCHEDULED, **payload)
-        self.log.fresh |= set(decision.rerun)
-        self.log.handled.add((thread, attempt))
-        self.log.recovery.update(dict.fromkeys(decision.rerun, payload))
-        for planned in undo:
-            self.log.planned_undo[planned["key"]] = planned
-        self.undo_pending()
-
-    def committed(self, name: str) -> tuple[list[tuple[str, str, str | None]], set[str]]:
-        """A sub-agent's committed effects, oldest first, with the business object of each
-        (from its ``lock=`` name), and the keys of those its tools can undo."""
-        executor = find_executor(self.c.subagents[name])
-        effects, undoable = [], set()
-        for thread in dict.fromkeys(self.log.threads.get(name, ())):
-            for entry in self.cp.ledger(thread):
-                if entry.status is not LedgerStatus.COMMITTED:
-                    continue
-                obj = lock_target(entry.lock, entry.tool)[0] if entry.lock else None
-                effects.append((entry.key, entry.tool, obj))
-                tool = executor.tools.get(entry.tool) if executor is not None else None
-                spec = spec_of(tool) if tool is not None else None
-                if spec is not None and spec.compensate is not None:
-                    undoable.add(entry.key)
-        return effects, undoable
-
-    def undo_pending(self) -> None:
-        """Undo every planned effect whose compensation is not recorded yet, in order."""
-        for planned in self.log.pending_undo():
-            self.compensate(planned)
-
-    def compensate(self, planned: Mapping[str, Any]) -> None:
-        """Undo one planned effect through the ledger's compensation (the undo is a side
-        effect of the parent thread: intent, compensator, commit), then record it."""
-        key, owner = str(planned["key"]), str(planned["subagent"])
-        recovery = self.log.recovery.get(owner, {})
-        why = recovery.get("attribution") or {}
-        executor = find_executor(self.c.subagents[owner])
-        entry = self.cp.ledger_entry(key)
-        tool = executor.tools.get(entry.tool) if executor is not None and entry else None
-        spec = spec_of(tool) if tool is not None else None
-        status = "missing" if entry is None else entry.status.value
-        if entry is not None and entry.status is LedgerStatus.COMPENSATED:
-            status = "already"  # undone before a crash kept this event from being written
-        if entry is not None and spec is not None and entry.status is LedgerStatus.COMMITTED:
-            # Uncertain (killed inside the compensator, no ``compensate_precheck`` to ask):
-            # CompensationUncertain stops the coordination here, before anything re-runs on
-            # the object; a person answers with ``decide_compensation``, then ``run`` again.
-            outcome = compensate_effect(
-                self.cp,
-                entry,
-                spec,
-                thread_id=self.parent,
-                by="coordinator",
-                leases=self.c.leases,
-                lease_ttl=self.c.lease_ttl,
-                goal=f"coordination {self.parent}: undo before re-running {recovery.get('rerun')}",
-                committed=[{"key": e[0], "tool": e[1]} for e in self.committed(owner)[0]],
-            )
-            status = outcome.status
-        self.event(
-            EventKind.COMPENSATED,
-            subagent=owner,
-            key=key,
-            tool=planned.get("tool"),
-            object=planned.get("object"),
-            readers=list(planned.get("readers") or ()),
-            status=status,
-            attribution=why,
-        )
-        self.log.undone.add(key)
 
     def give_up(self, name: str, why: FailureAttribution) -> None:
         self.log.given_up.add(name)
-        self.event(
-            EventKind.AGENT_FINISHED,
-            subagent=name,
-            thread_id=why.thread_id,
-            status="failed",
-            given_up=True,
-            attribution=why.payload(),
-        )
+        payload = {"status": "failed", "given_up": True, "attribution": why.payload()}
+        self.event(EventKind.AGENT_FINISHED, subagent=name, thread_id=why.thread_id, **payload)
 
     def stuck(self, kind: str, names: tuple[str, ...], **detail: Any) -> None:
         self.log.stuck |= set(names)
@@ -570,16 +361,5 @@ def _resume(graph: Pregel[Any, Any], thread: str, input: Any) -> None:
         runner.run(graph, thread, input)
 
 
-def _effect(effect: SharedEffect) -> dict[str, Any]:
-    """JSON form of an effect on a shared object, as recorded in ``retry_scheduled``."""
-    return {
-        "key": effect.key,
-        "subagent": effect.owner,
-        "tool": effect.tool,
-        "object": effect.obj,
-        "readers": list(effect.readers),
-    }
-
-
 def _short(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:_MESSAGE_CHARS]
+    return f"{type(exc).__name__}: {exc}"[:MESSAGE_CHARS]

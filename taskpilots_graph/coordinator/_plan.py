@@ -1,6 +1,6 @@
 """The coordinator's pure logic: the plan of sub-tasks, the shared objects and their
 policies, attribution records, recovery decisions and wait-for cycles. No I/O: the loop in
-:mod:`._drive` reads the stores and acts.
+:mod:`._drive` (with :mod:`._recover`) reads the stores and acts.
 """
 
 from __future__ import annotations
@@ -344,6 +344,16 @@ class SharedEffect:
     obj: str
     readers: tuple[str, ...]
     owner: str = ""
+
+    def payload(self) -> dict[str, Any]:
+        """JSON form, as recorded in ``retry_scheduled``."""
+        return {
+            "key": self.key,
+            "subagent": self.owner,
+            "tool": self.tool,
+            "object": self.obj,
+            "readers": list(self.readers),
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,14 @@ from langgraph.pregel import Pregel
 
 from taskpilots_graph.agent import lease_source
 from taskpilots_graph.checkpointers import RecoveryAPI
-from taskpilots_graph.coordinator._drive import CoordinationReport, Drive, SubAgentReport
+from taskpilots_graph.coordinator._drive import Drive
 from taskpilots_graph.coordinator._plan import CoordinationPlan, Share
+from taskpilots_graph.coordinator._report import CoordinationReport
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
 from taskpilots_graph.locks.hold import hold, reset_thread_hold, set_thread_hold
 
-__all__ = ["CoordinationReport", "Coordinator", "SubAgentReport", "create_coordinator"]
+__all__ = ["Coordinator", "create_coordinator"]
 
 
 class Coordinator:

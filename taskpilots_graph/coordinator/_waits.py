@@ -32,7 +32,8 @@ from taskpilots_graph.leases import (
     new_owner,
     poll_delay,
 )
-from taskpilots_graph.locks.hold import Hold, hold
+from taskpilots_graph.locks.heartbeat import Hold
+from taskpilots_graph.locks.hold import hold
 from taskpilots_graph.tools import current_invocation
 
 __all__ = [

@@ -5,7 +5,8 @@ ledger reads and writes (a write carries the events buffered before it), the wai
 live intent's owner, the pre-check and the tool, with the call's thread lease and business
 lock (:class:`~._locks.CallLocks`), in one body that each driver runs in its form
 (:mod:`taskpilots_graph._twins`). Callers differ only in ``run_tool``, ``check_args`` and
-the requests of their own (``other``).
+the requests of their own (``other``); both agent forms drive their calls, and settle the
+events the calls leave, through :class:`LeaseOwner`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import contextlib
 import math
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from langgraph.config import get_config
 
 from taskpilots_graph._compat import task_durability, task_id
-from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
+from taskpilots_graph._twins import IO, Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine._await import await_owner
 from taskpilots_graph.engine._locks import CallLocks
@@ -50,7 +52,8 @@ _LOCAL = object()  # marker: the request needs I/O
 
 class LeaseOwner:
     """Where an adapter's thread leases and business locks live: the backend named with
-    ``leases=``, else the checkpointer's own database (so ``lock=`` is always enforced)."""
+    ``leases=``, else the checkpointer's own database (so ``lock=`` is always enforced);
+    and the adapter's calls driven under them."""
 
     checkpointer: RecoveryAPI
     leases: LeaseBackend | None
@@ -68,6 +71,40 @@ class LeaseOwner:
         """Async form of :meth:`lease_backend`."""
         cp = self.checkpointer
         return self.leases if self.leases is not None else await adefault_lease_backend(cp)
+
+    def _driven(
+        self,
+        thread_id: str,
+        gen: Generator[Any, Any, T],
+        run_tool: Callable[[RunTool], Steps[Any]],
+        pending: list[EventRecord],
+        check_args: Callable[[dict[str, Any]], object] | None = None,
+        other: Callable[[Any], Steps[Any]] | None = None,
+    ) -> Steps[T]:
+        """Carry out ``gen``'s requests with the driver of the form the caller runs in;
+        ``run_tool`` and ``other`` (its own requests) are bodies run in that form too, and
+        ``pending`` holds the events waiting for the next write (see :meth:`_settled`)."""
+
+        def form(kind: type[Driver | AsyncDriver], run: Callable[..., Any], backend: Any) -> Any:
+            tool = lambda request: run(run_tool(request))  # noqa: E731
+            own = None if other is None else (lambda request: run(other(request)))
+            args = (self.checkpointer, thread_id, backend, self.lease_ttl, tool, check_args, own)
+            return partial(kind(*args, pending).drive, gen)
+
+        sync = form(Driver, run_steps, self.lease_backend)
+        done: T = yield IO(sync, form(AsyncDriver, arun_steps, self.alease_backend))
+        return done
+
+    def _settled(self, thread_id: str, pending: list[EventRecord], body: Steps[T]) -> Steps[T]:
+        """``body``'s result; the events in ``pending`` then ride along with the thread's next
+        durable write, or are written at once (with the thread's deferred ones) if it fails."""
+        try:
+            result = yield from body
+        except BaseException:
+            yield io(self.checkpointer, "append_records", pending, flush=thread_id)
+            raise
+        self.checkpointer.defer_records(pending)
+        return result
 
 
 def _task_id() -> str | None:

@@ -10,7 +10,6 @@ outcome is settled in :mod:`._reconcile`.
 
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import replace
 from typing import Any
@@ -29,6 +28,7 @@ from taskpilots_graph.engine._records import (
     result_extra,
     stand_in,
     success_payload,
+    tool_content,
 )
 from taskpilots_graph.engine._requests import (
     Asks,
@@ -178,14 +178,9 @@ def _check_args(ctx: CallContext) -> Asks[CallOutcome | None]:
 def repeat_note(earlier: CommittedEffect) -> str:
     """What the model reads instead of a second execution of a committed effect."""
     entry = earlier.entry
-    result = entry.result
-    # As the tool's own answer would read (``executor.tool_content``).
-    text = (
-        result if isinstance(result, str) else json.dumps(result, default=str, ensure_ascii=False)
-    )
     call = f" (tool call {entry.tool_call_id})" if entry.tool_call_id else ""
     return (
-        f"already done at step {earlier.step}: {text}\n"
+        f"already done at step {earlier.step}: {tool_content(entry.result)}\n"
         f"[{entry.tool} with these arguments was already performed in this thread{call}; "
         "it was not performed again. This is its recorded result.]"
     )

@@ -1,4 +1,5 @@
-"""What a call leaves on record: the value the ledger keeps of its result, and its events.
+"""What a call leaves on record: the value the ledger keeps of its result, its events, and
+the answer the model reads.
 
 A tool may return anything, and the effect happened whatever it returned: the ledger keeps
 a JSON value (reduced, flagged, when it must be), and the events keep bounded summaries
@@ -8,11 +9,14 @@ with the context that explains a failure.
 from __future__ import annotations
 
 import contextlib
+import json
 import platform
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
+
+from langchain_core.messages import ToolCall, ToolMessage
 
 from taskpilots_graph.checkpointers._rows import MAX_RESULT_BYTES, dump_json, dump_json_unchecked
 from taskpilots_graph.drift import (
@@ -31,6 +35,7 @@ __all__ = [
     "SUMMARY_CHARS",
     "brief",
     "call_event",
+    "error_message",
     "failure_event",
     "now",
     "recordable",
@@ -38,6 +43,7 @@ __all__ = [
     "stand_in",
     "step_event",
     "success_payload",
+    "tool_content",
 ]
 
 UNSERIALISABLE_FLAG = "result_unserialisable"
@@ -117,6 +123,24 @@ def stand_in(result: Any) -> Any:
     """
     why = unserialisable(result)
     return result if why is None else placeholder(result, why)
+
+
+def tool_content(result: Any) -> str:
+    """A tool result as ``ToolMessage`` content: text as is, anything else as JSON."""
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, default=str, ensure_ascii=False)
+    except Exception:  # cyclic, or a str() that raises: say so rather than fail the step
+        why = unserialisable(result)
+        return placeholder(result, why or "it cannot be encoded as JSON")
+
+
+def error_message(call: ToolCall, text: str) -> ToolMessage:
+    """The error answer to a tool call, as the model will see it."""
+    return ToolMessage(
+        content=text, tool_call_id=call["id"] or "", name=call["name"], status="error"
+    )
 
 
 def result_extra(extra: Mapping[str, Any], recorded: Any, reduced: bool) -> Mapping[str, Any]:

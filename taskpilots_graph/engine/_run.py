@@ -7,20 +7,22 @@ metrics) reads them the same way whichever form wrote them:
 * ``agent_started`` when a turn starts on a user's message (:func:`run_started`);
 * ``resume_context`` when the first model call after a resume gets the resume prompt
   (:func:`resume_context`);
-* ``llm_decided`` for the model's final answer, one without tool calls (:func:`answered`);
+* ``llm_decided`` for the model's final answer, one without tool calls (:func:`answered`),
+  and for a message of tool calls (:func:`decided`), before they run;
 * ``agent_finished`` when the run ends, ``closed`` or ``failed`` (:func:`run_finished`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
 from taskpilots_graph.engine._records import SUMMARY_CHARS, step_event
 from taskpilots_graph.events import EventKind, EventRecord
 
-__all__ = ["answer_text", "answered", "resume_context", "run_finished", "run_started"]
+__all__ = ["answer_text", "answered", "decided", "resume_context", "run_finished", "run_started"]
 
 
 def run_started(
@@ -42,6 +44,13 @@ def answer_text(message: BaseMessage) -> str:
 def answered(thread_id: str, checkpoint_ns: str, ai: AIMessage) -> EventRecord:
     """``llm_decided`` for a model answer without tool calls (the run's final answer)."""
     return step_event(thread_id, checkpoint_ns, EventKind.LLM_DECIDED, content=answer_text(ai))
+
+
+def decided(thread_id: str, checkpoint_ns: str, ai: AIMessage, **extra: Any) -> EventRecord:
+    """``llm_decided`` for a model message with tool calls: the calls, and its text."""
+    calls = [{"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls]
+    extra = {"tool_calls": calls, "content": answer_text(ai), **extra}
+    return step_event(thread_id, checkpoint_ns, EventKind.LLM_DECIDED, **extra)
 
 
 def run_finished(

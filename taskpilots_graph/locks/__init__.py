@@ -28,7 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from taskpilots_graph.checkpointers.base import parse_conn_string, sqlite_path
+from taskpilots_graph.checkpointers._conn_string import parse_conn_string
+from taskpilots_graph.checkpointers._sqlite_connect import sqlite_path
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.leases import (
     BUSINESS_LOCK_PREFIX,
@@ -41,14 +42,8 @@ from taskpilots_graph.leases import (
     thread_lease_name,
 )
 from taskpilots_graph.locks.default import adefault_lease_backend, default_lease_backend
-from taskpilots_graph.locks.hold import (
-    AsyncHold,
-    Hold,
-    abusiness_lock,
-    ahold,
-    business_lock,
-    hold,
-)
+from taskpilots_graph.locks.heartbeat import AsyncHold, Hold
+from taskpilots_graph.locks.hold import abusiness_lock, ahold, business_lock, hold
 from taskpilots_graph.locks.memory import MemoryLeaseBackend
 from taskpilots_graph.locks.sqlite import SqliteLeaseBackend
 

@@ -4,7 +4,7 @@ The flow wraps the ledger protocol of :mod:`taskpilots_graph.engine._protocol` (
 drives unchanged) with the recovery decisions of :func:`~taskpilots_graph.decide_recovery`
 and the takeover of a person. It yields requests; the engine's drivers carry them out, with
 the middleware's own requests (:mod:`._requests`) handed to
-:mod:`taskpilots_graph.middleware._middleware`.
+:mod:`taskpilots_graph.middleware._tool_hooks`.
 
 A takeover calls LangGraph's ``interrupt()`` inside the tool node. On resume the node runs
 again from its first line, so the flow runs again from its start: ledger facts keep that
@@ -15,26 +15,25 @@ the task, so it is never applied twice.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Generator, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from langchain_core.messages import BaseMessage, ToolCall, ToolMessage
-from langchain_core.tools import BaseTool
+from langchain_core.messages import ToolMessage
 from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command
 
 from taskpilots_graph import _clock
-from taskpilots_graph.engine import CallContext, CallOutcome, call_context, run_call
+from taskpilots_graph.engine import CallContext, CallOutcome, run_call
 from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
 from taskpilots_graph.engine._requests import FindPrevious, ReadEntry, WriteEntry, WriteEvent
 from taskpilots_graph.engine._run import run_finished
 from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import ConfigurationError, ResultDrifted, ToolWaiting
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.events import EventKind
 from taskpilots_graph.failures import Failure, classify, failure_payload
 from taskpilots_graph.ledger import LedgerEntry, SideEffectUncertain
+from taskpilots_graph.middleware._call_state import DECIDED_MARK, FAILURE_MARK, Answer, CallState
 from taskpilots_graph.middleware._requests import (
     Ask,
     Compensate,
@@ -49,27 +48,16 @@ from taskpilots_graph.middleware._requests import (
     Sleep,
     UseTool,
 )
-from taskpilots_graph.nodes._context import RunContext, dump_message, messages_digest
-from taskpilots_graph.nodes.executor import error_message, tool_content
+from taskpilots_graph.nodes._context import RunContext, decision_record
 from taskpilots_graph.nodes.router import describe
 from taskpilots_graph.nodes.takeover import build_request
-from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.recovery import Action
 from taskpilots_graph.takeover import parse_decision
-from taskpilots_graph.tools import spec_of
 
-__all__ = ["ABANDONED_MARK", "DECISIONS", "Answer", "Flow", "tool_flow"]
+__all__ = ["DECISIONS", "Flow", "tool_flow"]
 
 DECISIONS = "middleware_decisions"
 """Key in ``LedgerEntry.extra``: ``{task namespace: decisions applied}`` (see the module)."""
-
-FAILURE_MARK = "taskpilots_failure"
-"""Key in an answer's ``artifact``: the signature (tool, kind, error type) of its failure."""
-DECIDED_MARK = "taskpilots_decided"
-"""Key in an answer's ``artifact``: a person decided about the call."""
-ABANDONED_MARK = "taskpilots_abandoned"
-"""Key in an answer's ``artifact``: a person abandoned the run at this call (the agent ends
-before the model is called again, as the recovery agent ends after compensating)."""
 
 SKIPPED = "Skipped by a person; do not call it again."
 ABANDONED = (
@@ -77,94 +65,7 @@ ABANDONED = (
     "Do not call any more tools; tell the user the task was stopped."
 )
 
-
-Answer = ToolMessage | Command[Any]
 Flow = Generator[Any, Any, Answer]
-
-
-def _event(ctx: RunContext, kind: EventKind, **payload: Any) -> EventRecord:
-    return prepare_event(
-        ctx.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=ctx.graph_ns
-    )
-
-
-def _answer(call_id: str, name: str, result: Any) -> ToolMessage:
-    return ToolMessage(content=tool_content(result), tool_call_id=call_id, name=name)
-
-
-def _before(messages: Sequence[BaseMessage], call_id: str) -> tuple[list[BaseMessage], Any]:
-    """The conversation before the model message that made the call, and that message."""
-    for index in range(len(messages) - 1, -1, -1):
-        calls = getattr(messages[index], "tool_calls", None) or []
-        if any(c.get("id") == call_id for c in calls):
-            return list(messages[:index]), messages[index]
-    return list(messages), None
-
-
-@dataclass
-class _Call:
-    """The mutable course of one tool call through retries, fallbacks and decisions."""
-
-    request: ToolCallRequest
-    ctx: RunContext
-    task_ns: str
-    tools: dict[str, BaseTool]
-    using: str
-    args: dict[str, Any]
-    attempts: int = 0
-    first_failed_at: float | None = None
-    tried: list[str] = field(default_factory=list)
-    asked: int = 0  # interrupts met in this execution of the task, for ``DECISIONS``
-    answered: bool = False  # the task runs again with a person's answer waiting
-    failed: str | None = None  # the signature of the call's latest failure (stuck counting)
-    decided: bool = False  # a person decided about the call
-
-    def marked(self, answer: Answer, *, abandoned: bool = False) -> Answer:
-        """``answer``, carrying what stuck detection counts in later calls, as the recovery
-        agent counts it: the call's failure signature if it failed on its way (since a
-        person's decision), and that a person decided (the count starts again); and that
-        the run was abandoned here. An answer with an artifact of its own keeps it."""
-        marks: dict[str, Any] = {DECIDED_MARK: True} if self.decided else {}
-        if abandoned:
-            marks[ABANDONED_MARK] = True
-        if self.failed is not None:
-            marks[FAILURE_MARK] = self.failed
-        if not marks or not isinstance(answer, ToolMessage) or answer.artifact:
-            return answer
-        return answer.model_copy(update={"artifact": marks})
-
-    @property
-    def call_id(self) -> str:
-        return self.request.tool_call["id"] or ""
-
-    @property
-    def name(self) -> str:
-        return self.request.tool_call["name"]
-
-    def context(self, policy: ToolPolicy) -> CallContext:
-        """The call as the ledger protocol sees it, with the same user rules and drift
-        settings the recovery agent's executor gives it."""
-        tool = self.tools.get(self.using)
-        return call_context(
-            thread_id=self.ctx.thread_id,
-            checkpoint_ns=self.ctx.graph_ns,
-            tool=self.using,
-            args=self.args,
-            tool_call_id=self.call_id,
-            spec=spec_of(tool) if tool is not None else None,
-            policy=policy,
-            attempt=self.attempts + 1,
-            step_durable=self.ctx.input_stored,
-        )
-
-    def tool_request(self) -> ToolCallRequest:
-        if self.using == self.name and self.args == self.request.tool_call["args"]:
-            return self.request
-        call = ToolCall(
-            name=self.using, args=dict(self.args), id=self.request.tool_call["id"], type="tool_call"
-        )
-        # Known here: the flow only runs tools the node has (unknown ones pass through).
-        return self.request.override(tool_call=call, tool=self.tools[self.using])
 
 
 def tool_flow(
@@ -192,7 +93,7 @@ def tool_flow(
     tools = {t.name: t for t in getattr(request.runtime, "tools", None) or ()}
     if request.tool is not None:
         tools.setdefault(request.tool.name, request.tool)
-    state = _Call(
+    state = CallState(
         request=request,
         ctx=ctx,
         task_ns=task_ns,
@@ -243,27 +144,24 @@ def tool_flow(
         if outcome.failure is None:
             if box and not outcome.replayed:
                 return state.marked(box[0])
-            return state.marked(_answer(state.call_id, state.name, outcome.result))
+            return state.result(outcome.result)
         settled = yield from _recover(settings, state, call_ctx, outcome)
         if settled is not None:
             return settled
 
 
-def _record_decision(state: _Call) -> Generator[Any, Any, None]:
+def _record_decision(state: CallState) -> Generator[Any, Any, None]:
     # The checkpoint holding the model's message may not be durable yet ("async"
     # durability): a crash would make the model decide again with new tool-call ids, hence
     # new keys. Recording the decision lets the model hook replay it instead.
-    messages = list((state.request.state or {}).get("messages") or [])
-    before, ai = _before(messages, state.call_id)
-    if ai is not None:
-        yield RecordDecision(
-            state.ctx.thread_id, state.ctx.graph_ns, messages_digest(before), dump_message(ai)
-        )
+    record = decision_record(state.ctx, state.messages, state.call_id)
+    if record is not None:
+        yield RecordDecision(*record)
 
 
 def _recover(
     settings: Settings,
-    state: _Call,
+    state: CallState,
     call_ctx: CallContext,
     outcome: CallOutcome,
 ) -> Generator[Any, Any, Answer | None]:
@@ -320,14 +218,11 @@ def _recover(
         state.attempts, state.first_failed_at = 0, None
         return None
     if action is Action.REPORT:
-        if isinstance(outcome.error, ErrorAnswer):
-            answer = outcome.error.answer
-        else:
-            text = f"{describe(failure_payload(failure))} ({decision.reason})"
-            answer = error_message(state.request.tool_call, text)
         # The mark lets a later call of the same tool count this failure (stuck detection)
         # from the conversation itself; the model does not see artifacts.
-        return state.marked(answer.model_copy(update={"artifact": None}))
+        if isinstance(outcome.error, ErrorAnswer):
+            return state.marked(outcome.error.answer.model_copy(update={"artifact": None}))
+        return state.error(f"{describe(failure_payload(failure))} ({decision.reason})")
     if action in (Action.FAIL, Action.COMPENSATE):
         if action is Action.COMPENSATE:
             yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
@@ -340,7 +235,7 @@ def _recover(
     return (yield from _takeover(state, call_ctx, outcome.error, failure, decision.reason, base))
 
 
-def _signature_count(state: _Call, signature: str) -> int:
+def _signature_count(state: CallState, signature: str) -> int:
     """How many tool calls of the conversation failed this way since a person's last
     decision, this one included. The recovery agent counts signatures in its flow state;
     here the answers of earlier calls carry them (``FAILURE_MARK``, ``DECIDED_MARK``).
@@ -348,7 +243,7 @@ def _signature_count(state: _Call, signature: str) -> int:
     if state.decided:
         return 1  # a person's decision about this call starts the count again
     earlier: set[str] = set()
-    for m in (state.request.state or {}).get("messages") or []:
+    for m in state.messages:
         marks = m.artifact if isinstance(m, ToolMessage) else None
         if not isinstance(marks, dict) or m.tool_call_id == state.call_id:
             continue
@@ -360,7 +255,7 @@ def _signature_count(state: _Call, signature: str) -> int:
 
 
 def _takeover(
-    state: _Call,
+    state: CallState,
     call_ctx: CallContext,
     error: BaseException,
     failure: Failure,
@@ -384,7 +279,7 @@ def _takeover(
         "failure": shown,
     }
     view = {
-        "messages": list((state.request.state or {}).get("messages") or []),
+        "messages": state.messages,
         "steps": {state.call_id: record},
         "flow": {"reason": f"{state.using}: {reason}"},
     }
@@ -398,14 +293,14 @@ def _takeover(
     again["tried"] = list(state.tried)
     if isinstance(error, ResultDrifted):
         again["current"] = error.result
-    event = _event(
-        state.ctx, EventKind.TAKEOVER_REQUESTED, key=key, args=dict(state.args), **base, **again
+    event = state.ctx.event(
+        EventKind.TAKEOVER_REQUESTED, key=key, args=dict(state.args), **base, **again
     )
     return (yield from _decide(state, call_ctx, again, Ask(payload, event)))
 
 
 def _decide(
-    state: _Call, call_ctx: CallContext, asked: Mapping[str, Any], ask: Ask
+    state: CallState, call_ctx: CallContext, asked: Mapping[str, Any], ask: Ask
 ) -> Generator[Any, Any, Answer | None]:
     """Ask (or, on the task's way back, take the answer given) and apply the decision."""
     key = call_ctx.key if call_ctx.spec is not None else None
@@ -440,14 +335,14 @@ def _decide(
     state.answered = False  # from here on, this execution meets new ground
     state.decided, state.failed = True, None
     if action == "skip":
-        return state.marked(error_message(state.request.tool_call, SKIPPED))
+        return state.error(SKIPPED)
     if action == "provide_result":
-        return state.marked(_answer(state.call_id, state.name, decision.result))
+        return state.result(decision.result)
     if action == "accept" and "current" in asked:
-        return state.marked(_answer(state.call_id, state.name, asked["current"]))
+        return state.result(asked["current"])
     if action == "abandon":
         yield Compensate(state.ctx.thread_id, state.ctx.graph_ns, state.tools)
-        return state.marked(error_message(state.request.tool_call, ABANDONED), abandoned=True)
+        return state.error(ABANDONED, abandoned=True)
     if action == "edit_args":
         state.args = dict(decision.args or {})
     state.attempts, state.first_failed_at = 0, None

@@ -24,9 +24,8 @@ from typing import Any
 
 from taskpilots_graph.guard import held_here
 from taskpilots_graph.leases import LeaseBackend, thread_lease_name
+from taskpilots_graph.locks.heartbeat import AsyncHold, Hold
 from taskpilots_graph.locks.hold import (
-    AsyncHold,
-    Hold,
     ahold,
     hold,
     reset_thread_hold,

@@ -1,4 +1,6 @@
-"""``RecoveryMiddleware``: the flow of :mod:`._flow`, carried out by the engine's drivers."""
+"""``RecoveryMiddleware``: its model-side hooks (the run's start and end, each model call),
+and the tool-side hooks of :mod:`._tool_hooks`, which run the flow of :mod:`._flow` through
+the engine's drivers."""
 
 from __future__ import annotations
 
@@ -11,83 +13,38 @@ from langchain.agents.middleware.types import ExtendedModelResponse, ModelReques
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_core.tools import BaseTool
 from langgraph.config import get_config
-from langgraph.errors import GraphBubbleUp
-from langgraph.prebuilt.tool_node import ToolCallRequest
-from langgraph.types import Command, interrupt
 
-from taskpilots_graph import _clock
-from taskpilots_graph._compat import answers_waiting, create_agent_arguments, middleware_chain
+from taskpilots_graph._compat import create_agent_arguments
 from taskpilots_graph._twins import Steps, arun_steps, both, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import valid_conversation
-from taskpilots_graph.engine import AsyncDriver, Driver
-from taskpilots_graph.engine._drive import LeaseOwner
-from taskpilots_graph.engine._records import SUMMARY_CHARS
-from taskpilots_graph.engine._requests import RunTool
 from taskpilots_graph.engine._run import (
     answer_text,
     answered,
+    decided,
     resume_context,
     run_finished,
     run_started,
 )
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.events import EventRecord
 from taskpilots_graph.leases import DEFAULT_LEASE_TTL, LeaseBackend
-from taskpilots_graph.ledger import LedgerEntry
-from taskpilots_graph.middleware._flow import ABANDONED_MARK, Flow, tool_flow
+from taskpilots_graph.middleware._call_state import ABANDONED_MARK
 from taskpilots_graph.middleware._leases import StepLeases
 from taskpilots_graph.middleware._owner import check_middleware
-from taskpilots_graph.middleware._requests import (
-    Ask,
-    Compensate,
-    EndRun,
-    Flush,
-    PassThrough,
-    ReadAsked,
-    ReadLedger,
-    RecordDecision,
-    Settings,
-    Sleep,
-    ToolSeat,
-    UseTool,
-    asked_in,
-)
-from taskpilots_graph.nodes._context import (
-    RunContext,
-    astored_input,
-    awaits_input,
-    load_message,
-    messages_digest,
-    run_context,
-    stored_input,
-)
-from taskpilots_graph.nodes.compensate import ABANDONED, acompensate_thread, compensate_thread
+from taskpilots_graph.middleware._requests import Settings
+from taskpilots_graph.middleware._tool_hooks import MARKS_MAX, ToolHooks
+from taskpilots_graph.nodes._context import RunContext, load_message, messages_digest, run_context
+from taskpilots_graph.nodes.compensate import ABANDONED
 from taskpilots_graph.nodes.think import RESUME_KEY, ResumeContext
 from taskpilots_graph.policy import ToolPolicy
 from taskpilots_graph.prompts.resume import resume_message
-from taskpilots_graph.tools import spec_of
 from taskpilots_graph.unfinished import areconcile_orphans, orphan_intents, reconcile_orphans
 
 __all__ = ["RecoveryMiddleware"]
 
-ToolHandler = Callable[[ToolCallRequest], ToolMessage | Command[Any]]
-AsyncToolHandler = Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]]
-_RECORDED_MAX = 4096
 
-
-def _first_ai(response: Any) -> AIMessage | None:
-    if isinstance(response, ExtendedModelResponse):
-        response = response.model_response
-    if isinstance(response, AIMessage):
-        return response
-    for message in getattr(response, "result", ()):
-        if isinstance(message, AIMessage):
-            return message
-    return None
-
-
-class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
+class RecoveryMiddleware(ToolHooks, AgentMiddleware[Any, Any, Any]):
     """Duplicate-free recovery for a langchain ``create_agent`` agent, in one middleware.
 
     Every tool call goes through the side-effect ledger and the tool policies, as in
@@ -141,8 +98,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         self.policies: dict[str, ToolPolicy] = dict(policies or {})
         self.default_policy = default_policy or ToolPolicy()
         self._settings = Settings(self.policies, self.default_policy, rng or random.Random())
-        self._checked: set[tuple[bool, str]] = set()
-        self._recorded: set[tuple[str, str]] = set()
+        self._checked, self._recorded = set(), set()
         self._set_leases(leases, lease_ttl)
         self._steps = StepLeases(self.lease_backend, self.alease_backend, self.lease_ttl)
         # Threads whose run started with orphan intents in the ledger: settled at the first
@@ -153,10 +109,10 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         # alone (the recovery agent keeps it in its flow state).
         self._resumed: set[tuple[str, Any]] = set()
         self._resume = ResumeContext()
-        self._in_agent = False
         # ``agent_started`` of a run, noted by ``before_agent`` and deferred by the run's first
         # model call after its flush: it then rides along with the next durable write.
         self._starting: dict[str, EventRecord] = {}
+        self._in_agent = False
 
     @property
     def tools(self) -> list[BaseTool]:  # type: ignore[override]
@@ -180,65 +136,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         """The policy that applies to ``tool`` (``None``: the default policy)."""
         return self.policies.get(tool, self.default_policy) if tool else self.default_policy
 
-    # -- shared --------------------------------------------------------------------------------
-
-    def _check_owner(self, request: ToolCallRequest, handler: Any, *, is_async: bool) -> None:
-        name = request.tool_call["name"]
-        if (is_async, name) in self._checked:
-            return
-        chain = middleware_chain(handler, is_async=is_async)
-        if chain is not None:
-            tools = [t for t in getattr(request.runtime, "tools", None) or () if t.name == name]
-            check_middleware(chain, tools or [name])
-        self._checked.add((is_async, name))
-
-    def _flow(self, request: ToolCallRequest, ctx: RunContext) -> Flow:
-        config = request.runtime.config
-        task_ns = str((config.get("configurable") or {}).get("checkpoint_ns") or "")
-        flow = tool_flow(
-            self._settings,
-            request,
-            ctx,
-            task_ns=task_ns,
-            answers=answers_waiting(config),
-            resumed=RESUME_KEY in (config.get("configurable") or {}),
-        )
-        return flow
-
-    @staticmethod
-    def _acts(request: ToolCallRequest, ctx: RunContext) -> bool:
-        """Whether the call should wait for its input checkpoint: a side effect, while that
-        checkpoint is being written in the background (see ``stored_input``)."""
-        tool = request.tool
-        return awaits_input(ctx) and tool is not None and spec_of(tool) is not None
-
-    def _model_context(self) -> RunContext | None:
-        try:
-            return run_context(get_config())
-        except (RuntimeError, ConfigurationError):
-            return None  # outside a run, or a run without a thread: nothing to record
-
-    def _decided(self, ctx: RunContext, ai: AIMessage | None, *, replayed: bool) -> None:
-        if ai is None:
-            return
-        if not ai.tool_calls:
-            # The final answer, logged as the recovery agent's think node logs it.
-            self.checkpointer.defer_records([answered(ctx.thread_id, ctx.graph_ns, ai)])
-            return
-        event = prepare_event(
-            ctx.thread_id,
-            EventKind.LLM_DECIDED,
-            {
-                "tool_calls": [
-                    {"name": c["name"], "id": c["id"], "args": c["args"]} for c in ai.tool_calls
-                ],
-                "content": str(ai.content)[:SUMMARY_CHARS],
-                "replayed": replayed,
-            },
-            checkpoint_id=None,
-            checkpoint_ns=ctx.graph_ns,
-        )
-        self.checkpointer.defer_records([event])
+    # -- the model-side hooks ------------------------------------------------------------------
 
     def _resume_marker(self, ctx: RunContext) -> Mapping[str, Any] | None:
         """The resume this run continues, if no model call of it got the prompt yet."""
@@ -250,129 +148,6 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             return None
         return marker
 
-    # -- the hooks -----------------------------------------------------------------------------
-
-    def wrap_tool_call(self, request: ToolCallRequest, handler: ToolHandler) -> Any:
-        """Run one tool call through the ledger, the tool policy and takeover."""
-        self._check_owner(request, handler, is_async=False)
-        ctx = run_context(request.runtime.config)
-        if self._acts(request, ctx):
-            ctx = stored_input(ctx, self.checkpointer)
-        flow = self._flow(request, ctx)
-        seat = ToolSeat()
-        driver = Driver(
-            self.checkpointer,
-            ctx.thread_id,
-            self.lease_backend,
-            self.lease_ttl,
-            lambda req: seat.answered(handler(cast(ToolCallRequest, seat.request)), req.effect),
-            check_args=seat.check,
-            other=lambda req: run_steps(self._request(req, seat, handler, driver.pending)),
-        )
-        try:
-            with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
-                result = driver.drive(flow)
-        except BaseException:
-            self.checkpointer.append_records(driver.pending, flush=ctx.thread_id)
-            raise
-        # Pure-tool events ride along with the thread's next durable write (the next model
-        # call flushes them at the latest).
-        self.checkpointer.defer_records(driver.pending)
-        return result
-
-    async def awrap_tool_call(self, request: ToolCallRequest, handler: AsyncToolHandler) -> Any:
-        """Async form of :meth:`wrap_tool_call`."""
-        self._check_owner(request, handler, is_async=True)
-        ctx = run_context(request.runtime.config)
-        if self._acts(request, ctx):
-            ctx = await astored_input(ctx, self.checkpointer)
-        flow = self._flow(request, ctx)
-        seat = ToolSeat()
-
-        async def run_tool(req: RunTool) -> Any:
-            return seat.answered(await handler(cast(ToolCallRequest, seat.request)), req.effect)
-
-        driver = AsyncDriver(
-            self.checkpointer,
-            ctx.thread_id,
-            self.alease_backend,
-            self.lease_ttl,
-            run_tool,
-            check_args=seat.check,
-            other=lambda req: arun_steps(self._request(req, seat, handler, driver.pending)),
-        )
-        try:
-            async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
-                result = await driver.drive(flow)
-        except BaseException:
-            await self.checkpointer.aappend_records(driver.pending, flush=ctx.thread_id)
-            raise
-        self.checkpointer.defer_records(driver.pending)
-        return result
-
-    def _request(
-        self,
-        req: Any,
-        seat: ToolSeat,
-        handler: Callable[[ToolCallRequest], Any],
-        pending: list[EventRecord],
-    ) -> Steps[Any]:
-        """The middleware's own requests (the engine's driver carries out the protocol's)."""
-        cp = self.checkpointer
-        if isinstance(req, UseTool):
-            return seat.use(req)
-        if isinstance(req, PassThrough):
-            return (yield both(handler, handler, req.request))
-        if isinstance(req, Ask):
-            return _ask(req, pending)
-        if isinstance(req, ReadAsked):
-            return asked_in((yield io(cp, "events", req.thread_id)), req)
-        if isinstance(req, ReadLedger):
-            extra = (yield io(cp, "ledger_entry", req.key)) if req.key else None
-            entries: list[LedgerEntry] = yield io(cp, "ledger", req.thread_id)
-            if extra is not None and all(e.key != extra.key for e in entries):
-                entries.append(extra)  # a business key first recorded by another thread
-            return entries
-        if isinstance(req, Sleep):
-            yield both(_clock.sleep, _clock.asleep, req.seconds)
-        elif isinstance(req, RecordDecision):
-            # Parallel calls of one model message each ask to record it; the store keeps the
-            # first anyway, the mark saves the repeated writes. It is set only once the record
-            # is durable: a call that finds it may act at once, and one that does not, while
-            # another call is still writing, records again rather than act before the message
-            # is on disk.
-            seen = (req.thread_id, req.digest)
-            if seen not in self._recorded:
-                yield io(
-                    cp, "record_decision", req.thread_id, req.checkpoint_ns, req.digest, req.message
-                )
-                if len(self._recorded) >= _RECORDED_MAX:  # bounded: a worker runs many threads
-                    self._recorded.clear()
-                self._recorded.add(seen)
-        elif isinstance(req, Compensate):
-            # Inside the tool node, so an uncertain undo asks a person with interrupt().
-            yield both(
-                compensate_thread,
-                acompensate_thread,
-                cp,
-                req.thread_id,
-                req.tools,
-                checkpoint_ns=req.checkpoint_ns,
-                ask=True,
-                leases=self.leases,
-                lease_ttl=self.lease_ttl,
-            )
-        elif isinstance(req, EndRun):
-            if self._in_agent:
-                pending.append(req.event)
-        elif isinstance(req, Flush):
-            if pending:
-                yield io(cp, "append_records", list(pending))
-                pending.clear()
-        else:  # pragma: no cover
-            raise AssertionError(f"unknown request {req!r}")
-        return None
-
     def wrap_model_call(
         self, request: ModelRequest[Any], handler: Callable[[ModelRequest[Any]], Any]
     ) -> Any:
@@ -381,15 +156,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         The provider never gets a tool call without its answer (new input on a thread that
         stopped mid-call would otherwise be rejected): see :func:`_answered`.
         """
-        request = _answered(request)
-        ctx = self._model_context()
-        if ctx is None:
-            return handler(request)
-        stopped = _stopped(request)
-        if stopped is not None:
-            return stopped
-        with self._steps.step(ctx.thread_id, ctx.checkpoint_id):
-            return run_steps(self._model_call(ctx, request, handler))
+        return run_steps(self._wrap_model_call(request, handler))
 
     async def awrap_model_call(
         self,
@@ -397,15 +164,19 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         handler: Callable[[ModelRequest[Any]], Awaitable[Any]],
     ) -> Any:
         """Async form of :meth:`wrap_model_call`."""
+        return await arun_steps(self._wrap_model_call(request, handler))
+
+    def _wrap_model_call(
+        self, request: ModelRequest[Any], handler: Callable[..., Any]
+    ) -> Steps[Any]:
         request = _answered(request)
-        ctx = self._model_context()
+        ctx = _run_context()
         if ctx is None:
-            return await handler(request)
+            return (yield both(handler, handler, request))
         stopped = _stopped(request)
         if stopped is not None:
             return stopped
-        async with self._steps.astep(ctx.thread_id, ctx.checkpoint_id):
-            return await arun_steps(self._model_call(ctx, request, handler))
+        return (yield from self._held(ctx, self._model_call(ctx, request, handler)))
 
     def _model_call(
         self, ctx: RunContext, request: ModelRequest[Any], handler: Callable[..., Any]
@@ -413,7 +184,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         cp, thread_id = self.checkpointer, ctx.thread_id
         if thread_id in self._orphaned:
             self._orphaned.discard(thread_id)
-            tools = _tool_table(request)
+            tools = {t.name: t for t in request.tools if isinstance(t, BaseTool)}
             yield both(reconcile_orphans, areconcile_orphans, None, cp, thread_id, tools=tools)
         yield io(cp, "append_records", [], flush=thread_id)
         # The run's start after the flush, so that the event costs no transaction of its own.
@@ -422,12 +193,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
             cp.defer_records([started])
         marker = self._resume_marker(ctx)
         if ctx.durability != "sync" or marker is not None:
-            # The model's recorded decision for this conversation, answered without a call.
-            recorded = yield io(cp, "decision", thread_id, ctx.graph_ns, _digest(request))
+            # The model's recorded decision for this conversation, answered without a call;
+            # its digest is of the conversation in the state.
+            digest = messages_digest(list(request.state.get("messages") or []))
+            recorded = yield io(cp, "decision", thread_id, ctx.graph_ns, digest)
             if recorded is not None:
                 ai = load_message(recorded)
                 assert isinstance(ai, AIMessage)
-                self._decided(ctx, ai, replayed=True)
+                cp.defer_records(_decision(ctx, ai, replayed=True))
                 return ModelResponse(result=[ai])  # the resume prompt waits for a real call
         if marker is not None:
             # The resume prompt after the conversation, as the recovery agent's think node
@@ -442,10 +215,10 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         response = yield both(handler, handler, request)
         # Only once the model answered with the prompt: a failed call leaves it pending.
         if marker is not None:
-            if len(self._resumed) >= _RECORDED_MAX:  # bounded: a worker runs many threads
+            if len(self._resumed) >= MARKS_MAX:
                 self._resumed.clear()
             self._resumed.add((thread_id, marker.get("seq")))
-        self._decided(ctx, _first_ai(response), replayed=False)
+        cp.defer_records(_decision(ctx, _first_ai(response), replayed=False))
         return response
 
     def before_agent(self, state: Any, runtime: Any) -> dict[str, Any] | None:
@@ -464,14 +237,14 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         return await arun_steps(self._before_agent(state))
 
     def _before_agent(self, state: Any) -> Steps[None]:
-        ctx = self._model_context()
+        ctx = _run_context()
         if ctx is not None:
             # A new turn (the input ends on a user's message), logged as the recovery agent's
             # think node logs it, before the model's first decision of the run.
             messages = list(state.get("messages") or [])
             started = run_started(ctx.thread_id, ctx.graph_ns, messages)
             if started is not None:
-                if len(self._starting) >= _RECORDED_MAX:  # bounded: a run may never reach it
+                if len(self._starting) >= MARKS_MAX:  # a run may never reach its model call
                     self._starting.clear()
                 self._starting[ctx.thread_id] = started
             if orphan_intents((yield io(self.checkpointer, "ledger", ctx.thread_id))):
@@ -487,7 +260,7 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         return await arun_steps(self._after_agent(state))
 
     def _after_agent(self, state: Any) -> Steps[None]:
-        ctx = self._model_context()
+        ctx = _run_context()
         if ctx is None:
             return None
         # ``after_agent`` runs only when the agent loop ends on an answer (a pause for a
@@ -502,14 +275,32 @@ class RecoveryMiddleware(AgentMiddleware[Any, Any, Any], LeaseOwner):
         return None
 
 
-def _digest(request: ModelRequest[Any]) -> str:
-    """The digest a model decision is recorded under: of the conversation in the state."""
-    return messages_digest(list(request.state.get("messages") or []))
+def _run_context() -> RunContext | None:
+    try:
+        return run_context(get_config())
+    except (RuntimeError, ConfigurationError):
+        return None  # outside a run, or a run without a thread: nothing to record
 
 
-def _tool_table(request: ModelRequest[Any]) -> dict[str, BaseTool]:
-    """The agent's tools by name, as the model request carries them."""
-    return {t.name: t for t in request.tools if isinstance(t, BaseTool)}
+def _decision(ctx: RunContext, ai: AIMessage | None, *, replayed: bool) -> list[EventRecord]:
+    """The ``llm_decided`` of a model message; a final answer is logged as the recovery
+    agent's think node logs it."""
+    if ai is None:
+        return []
+    if not ai.tool_calls:
+        return [answered(ctx.thread_id, ctx.graph_ns, ai)]
+    return [decided(ctx.thread_id, ctx.graph_ns, ai, replayed=replayed)]
+
+
+def _first_ai(response: Any) -> AIMessage | None:
+    if isinstance(response, ExtendedModelResponse):
+        response = response.model_response
+    if isinstance(response, AIMessage):
+        return response
+    for message in getattr(response, "result", ()):
+        if isinstance(message, AIMessage):
+            return message
+    return None
 
 
 _STOPPED_NAME = "taskpilots_abandoned"
@@ -543,13 +334,3 @@ def _answered(request: ModelRequest[Any]) -> ModelRequest[Any]:
     if fixed == request.messages:
         return request
     return request.override(messages=cast(Any, fixed))  # AnyMessage: the same messages
-
-
-def _ask(req: Ask, pending: list[EventRecord]) -> Any:
-    """``interrupt()`` for a person's decision; the request is on record if the run pauses."""
-    try:
-        return interrupt(req.payload)
-    except GraphBubbleUp:
-        if req.event is not None:
-            pending.append(req.event)
-        raise

@@ -1,4 +1,5 @@
-"""What a node learns from its LangGraph config, and stable fingerprints of messages."""
+"""What a node learns from its LangGraph config, and stable fingerprints of messages (under
+which both agent forms record a model decision)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ from langchain_core.messages import AIMessage, BaseMessage, message_to_dict, mes
 from langchain_core.runnables import RunnableConfig
 
 from taskpilots_graph._compat import task_durability
+from taskpilots_graph._twins import Steps, io
+from taskpilots_graph.engine._records import step_event
 from taskpilots_graph.errors import ConfigurationError
-from taskpilots_graph.events import EventKind, EventRecord, prepare_event
+from taskpilots_graph.events import EventKind, EventRecord
 
 if TYPE_CHECKING:
     from taskpilots_graph.checkpointers import RecoveryAPI
 
 __all__ = [
     "RunContext",
-    "astored_input",
     "awaits_input",
+    "decision_record",
     "dump_message",
     "load_message",
     "messages_digest",
@@ -52,9 +55,7 @@ class RunContext:
 
     def event(self, kind: EventKind, **payload: Any) -> EventRecord:
         """An event of this run, in its graph's namespace."""
-        return prepare_event(
-            self.thread_id, kind, payload, checkpoint_id=None, checkpoint_ns=self.graph_ns
-        )
+        return step_event(self.thread_id, self.graph_ns, kind, **payload)
 
 
 def run_context(config: RunnableConfig) -> RunContext:
@@ -92,16 +93,12 @@ def awaits_input(ctx: RunContext) -> bool:
     return not ctx.input_stored and ctx.durability == "async" and ctx.checkpoint_id is not None
 
 
-def stored_input(ctx: RunContext, cp: RecoveryAPI) -> RunContext:
-    """``ctx``, marked ``input_stored`` if its checkpoint is on disk or reaches it soon."""
-    if awaits_input(ctx) and cp.checkpoint_stored(ctx.thread_id, str(ctx.checkpoint_id)):
-        return replace(ctx, input_stored=True)
-    return ctx
-
-
-async def astored_input(ctx: RunContext, cp: RecoveryAPI) -> RunContext:
-    """Async form of :func:`stored_input`."""
-    if awaits_input(ctx) and await cp.acheckpoint_stored(ctx.thread_id, str(ctx.checkpoint_id)):
+def stored_input(ctx: RunContext, cp: RecoveryAPI) -> Steps[RunContext]:
+    """``ctx``, marked ``input_stored`` if its checkpoint is on disk or reaches it soon (a
+    body for :mod:`taskpilots_graph._twins`)."""
+    if awaits_input(ctx) and (
+        yield io(cp, "checkpoint_stored", ctx.thread_id, str(ctx.checkpoint_id))
+    ):
         return replace(ctx, input_stored=True)
     return ctx
 
@@ -122,6 +119,18 @@ def messages_digest(messages: Sequence[BaseMessage]) -> str:
         [_fingerprint(m) for m in messages], sort_keys=True, default=str, ensure_ascii=False
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def decision_record(
+    ctx: RunContext, messages: Sequence[BaseMessage], call_id: str | None
+) -> tuple[str, str, str, str] | None:
+    """(thread, namespace, input digest, message) recording the model message that made the
+    call ``call_id``, under the digest of the conversation before it (what a replay asks)."""
+    for index in range(len(messages) - 1, -1, -1):
+        if any(c.get("id") == call_id for c in getattr(messages[index], "tool_calls", None) or []):
+            digest = messages_digest(messages[:index])
+            return ctx.thread_id, ctx.graph_ns, digest, dump_message(messages[index])
+    return None
 
 
 def dump_message(message: BaseMessage) -> str:

@@ -35,12 +35,10 @@ out; the agent's compensate node, ``RecoveryMiddleware`` and the coordinator all
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
-
-from langchain_core.tools import BaseTool
 
 from taskpilots_graph.engine._call import CallContext, call_context
 from taskpilots_graph.engine._protocol import run_call
@@ -57,7 +55,6 @@ from taskpilots_graph.ledger import (
     SideEffectUncertain,
 )
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
-from taskpilots_graph.tools import spec_of
 
 __all__ = [
     "LEFT_BY_PERSON",
@@ -66,15 +63,12 @@ __all__ = [
     "UNDO_OF",
     "UNDO_PREFIX",
     "AskPerson",
-    "CompensationReport",
     "Replay",
     "UndoContext",
     "UndoOutcome",
     "apply_decision",
     "decision_write",
     "is_undo",
-    "plan_thread",
-    "report_of",
     "undo_effect",
     "undo_key",
     "undo_tool",
@@ -180,6 +174,12 @@ class UndoContext:
     committed: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
 
     @property
+    def names(self) -> dict[str, Any]:
+        """The undo's tool and ledger key, and the effect it undoes (as its events say)."""
+        effect = self.effect
+        return {"tool": undo_tool(effect.tool), "key": undo_key(effect.key), UNDO_OF: effect.key}
+
+    @property
     def call(self) -> CallContext:
         """The undo as the ledger protocol sees a call."""
         effect = self.effect
@@ -198,18 +198,15 @@ class UndoContext:
 def _undo_spec(spec: SideEffectSpec, effect: LedgerEntry) -> SideEffectSpec:
     """The declaration the protocol applies to the undo: the undo pre-check (asked about
     the effect's key and result), never idempotent, never a repeat, the effect's lock."""
-    check = spec.compensate_precheck
-    if check is None:
-        return SideEffectSpec(
-            repeatable=True, lock=spec.lock, precheck_timeout=spec.precheck_timeout
-        )
-    key, result = effect.key, effect.result
+    check, key, result = spec.compensate_precheck, effect.key, effect.result
 
     def precheck(_undo_key: str, args: dict[str, Any]) -> PrecheckOutcome:
+        assert check is not None, "asked only with a compensate_precheck"
         return check(key, args, result)
 
+    asked = precheck if check is not None else None
     return SideEffectSpec(
-        precheck=precheck, repeatable=True, lock=spec.lock, precheck_timeout=spec.precheck_timeout
+        precheck=asked, repeatable=True, lock=spec.lock, precheck_timeout=spec.precheck_timeout
     )
 
 
@@ -317,9 +314,7 @@ def _ask(ctx: UndoContext, undo: LedgerEntry, reason: str) -> Generator[Any, Any
         ctx.thread_id,
         EventKind.TAKEOVER_REQUESTED,
         {
-            "tool": undo_tool(effect.tool),
-            "key": undo_key(effect.key),
-            UNDO_OF: effect.key,
+            **ctx.names,
             "reason": f"the undo of {effect.tool} may or may not have happened: {reason}",
             "failure_kind": "side_effect_uncertain",
         },
@@ -354,17 +349,7 @@ def apply_decision(
     # As for a step: provide_result commits with a manual proof, retry releases the undo
     # for one more run, skip closes it for good (LEFT_BY_PERSON: the effect stays).
     moved = replace(ledger_move(undo, decision, who, now) or undo, extra=extra)
-    effect = ctx.effect
-    event = decision_recorded(
-        ctx.thread_id,
-        ctx.checkpoint_ns,
-        decision,
-        who,
-        [],
-        tool=undo_tool(effect.tool),
-        key=undo_key(effect.key),
-        **{UNDO_OF: effect.key},
-    )
+    event = decision_recorded(ctx.thread_id, ctx.checkpoint_ns, decision, who, [], **ctx.names)
     return moved, event
 
 
@@ -398,59 +383,6 @@ def _mark_compensated(ctx: UndoContext) -> Generator[Any, Any, bool]:
             raise
         return False
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class CompensationReport:
-    """What undoing a thread's committed effects did, by effect key (newest first).
-
-    Attributes:
-        undone: Effects undone now.
-        already: Effects found compensated by an earlier run (not undone again).
-        left: Effects a person chose to leave in place (``skip`` on an uncertain undo).
-        missing: Committed effects whose tool declares no compensator.
-    """
-
-    undone: tuple[str, ...] = ()
-    already: tuple[str, ...] = ()
-    left: tuple[str, ...] = ()
-    missing: tuple[str, ...] = ()
-
-
-def plan_thread(
-    entries: Sequence[LedgerEntry], tools: Mapping[str, BaseTool]
-) -> tuple[list[tuple[LedgerEntry, SideEffectSpec]], list[str], list[dict[str, Any]]]:
-    """A thread's compensation, from its ledger entries (oldest first): the effects to undo
-    newest first with their specs, the keys without a compensator, and the committed
-    effects as a person sees them."""
-    todo: list[tuple[LedgerEntry, SideEffectSpec]] = []
-    missing: list[str] = []
-    committed = [
-        {"key": e.key, "tool": e.tool}
-        for e in entries
-        if e.status is LedgerStatus.COMMITTED and not is_undo(e)
-    ]
-    for entry in reversed(entries):
-        if entry.status not in (LedgerStatus.COMMITTED, LedgerStatus.COMPENSATED) or is_undo(entry):
-            continue
-        tool = tools.get(entry.tool)
-        spec = spec_of(tool) if tool is not None else None
-        if spec is not None and spec.compensate is not None:
-            # Compensated ones too: a re-run of the task replays the answers their undos
-            # got, so that later questions meet their own answers (see _undo).
-            todo.append((entry, spec))
-        elif entry.status is LedgerStatus.COMMITTED:
-            missing.append(entry.key)
-    return todo, missing, committed
-
-
-def report_of(outcomes: Sequence[UndoOutcome], missing: Sequence[str]) -> CompensationReport:
-    """The report of a thread's compensation from the outcome of each undo."""
-
-    def keys(status: str) -> tuple[str, ...]:
-        return tuple(o.effect_key for o in outcomes if o.status == status)
-
-    return CompensationReport(keys("undone"), keys("already"), keys("left"), tuple(missing))
 
 
 def decision_write(

@@ -39,6 +39,7 @@ from langgraph.config import get_config
 from langgraph.errors import GraphBubbleUp
 from langgraph.types import interrupt
 
+from taskpilots_graph._twins import Steps, asynced, both, io, synced
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine import AsyncDriver, Driver
 from taskpilots_graph.engine._requests import RunTool
@@ -50,16 +51,14 @@ from taskpilots_graph.locks import adefault_lease_backend, default_lease_backend
 from taskpilots_graph.nodes._context import run_context
 from taskpilots_graph.nodes._undo import (
     AskPerson,
-    CompensationReport,
     Replay,
     UndoContext,
     UndoOutcome,
     decision_write,
-    plan_thread,
-    report_of,
     undo_effect,
     undo_key,
 )
+from taskpilots_graph.nodes._undo_thread import CompensationReport, plan_thread, report_of
 from taskpilots_graph.nodes.executor import RecoveryExecutor
 from taskpilots_graph.nodes.takeover import ABANDONED, run_goal
 from taskpilots_graph.takeover import Decision
@@ -151,7 +150,49 @@ def _person(req: AskPerson | Replay, ctx: UndoContext, pending: list[EventRecord
         raise
 
 
-def compensate_effect(
+def _driver(
+    cp: RecoveryAPI,
+    ctx: UndoContext,
+    run: Callable[[], Any],
+    leases: LeaseBackend | None,
+    ttl: float,
+) -> Driver:
+    """The sync driver of an undo (a coroutine compensator is refused)."""
+    driver = Driver(
+        cp,
+        ctx.thread_id,
+        lambda: leases if leases is not None else default_lease_backend(cp),
+        ttl,
+        lambda _: _sync_only(run(), ctx.effect.tool),
+        other=lambda req: _person(req, ctx, driver.pending),
+    )
+    return driver
+
+
+def _adriver(
+    cp: RecoveryAPI,
+    ctx: UndoContext,
+    run: Callable[[], Any],
+    leases: LeaseBackend | None,
+    ttl: float,
+) -> AsyncDriver:
+    """The async driver of an undo (the compensator and its pre-check may be coroutines)."""
+
+    async def backend() -> LeaseBackend:
+        return leases if leases is not None else await adefault_lease_backend(cp)
+
+    async def run_tool(_: RunTool) -> Any:
+        value = run()
+        return (await value) if inspect.isawaitable(value) else value
+
+    async def other(req: AskPerson | Replay) -> Any:
+        return _person(req, ctx, driver.pending)
+
+    driver = AsyncDriver(cp, ctx.thread_id, backend, ttl, run_tool, other=other)
+    return driver
+
+
+def _compensate_effect(
     cp: RecoveryAPI,
     effect: LedgerEntry,
     spec: SideEffectSpec,
@@ -164,11 +205,13 @@ def compensate_effect(
     lease_ttl: float = 30.0,
     goal: str = "",
     committed: Sequence[Mapping[str, Any]] = (),
-) -> UndoOutcome:
+) -> Steps[UndoOutcome]:
     """Undo one committed effect through the ledger, exactly once (see the module).
 
     Safe to call again after any crash, in any process: a committed undo is not run again,
-    an interrupted one is reconciled with ``spec.compensate_precheck``.
+    an interrupted one is reconciled with ``spec.compensate_precheck``. The async form,
+    ``acompensate_effect``, also takes a compensator and an undo pre-check that are
+    coroutine functions.
 
     Example:
         >>> from taskpilots_graph.tools import spec_of
@@ -209,64 +252,22 @@ def compensate_effect(
             run again later).
     """
     ctx, run = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
-    driver = Driver(
-        cp,
-        ctx.thread_id,
-        lambda: leases if leases is not None else default_lease_backend(cp),
-        lease_ttl,
-        lambda _: _sync_only(run(), ctx.effect.tool),
-        other=lambda req: _person(req, ctx, driver.pending),
-    )
+    driver = yield both(_driver, _adriver, cp, ctx, run, leases, lease_ttl)
     try:
-        outcome = driver.drive(undo_effect(ctx))
+        outcome: UndoOutcome = yield both(driver.drive, driver.drive, undo_effect(ctx))
     except BaseException:
-        cp.append_records(driver.pending, flush=ctx.thread_id)
+        yield io(cp, "append_records", driver.pending, flush=ctx.thread_id)
         raise
     if driver.pending:
-        cp.append_records(driver.pending)
+        yield io(cp, "append_records", driver.pending)
     return outcome
 
 
-async def acompensate_effect(
-    cp: RecoveryAPI,
-    effect: LedgerEntry,
-    spec: SideEffectSpec,
-    *,
-    thread_id: str | None = None,
-    checkpoint_ns: str = "",
-    by: str | None = None,
-    ask: bool = False,
-    leases: LeaseBackend | None = None,
-    lease_ttl: float = 30.0,
-    goal: str = "",
-    committed: Sequence[Mapping[str, Any]] = (),
-) -> UndoOutcome:
-    """Async form of :func:`compensate_effect` (the compensator and the undo pre-check may
-    be coroutine functions)."""
-    ctx, run = _context(effect, spec, thread_id, checkpoint_ns, ask, by, goal, committed)
-
-    async def backend() -> LeaseBackend:
-        return leases if leases is not None else await adefault_lease_backend(cp)
-
-    async def run_tool(_: RunTool) -> Any:
-        value = run()
-        return (await value) if inspect.isawaitable(value) else value
-
-    async def other(req: AskPerson | Replay) -> Any:
-        return _person(req, ctx, driver.pending)
-
-    driver = AsyncDriver(cp, ctx.thread_id, backend, lease_ttl, run_tool, other=other)
-    try:
-        outcome = await driver.drive(undo_effect(ctx))
-    except BaseException:
-        await cp.aappend_records(driver.pending, flush=ctx.thread_id)
-        raise
-    if driver.pending:
-        await cp.aappend_records(driver.pending)
-    return outcome
+compensate_effect = synced(_compensate_effect)
+acompensate_effect = asynced(_compensate_effect)
 
 
-def compensate_thread(
+def _compensate_thread(
     cp: RecoveryAPI,
     thread_id: str,
     tools: Mapping[str, BaseTool],
@@ -277,7 +278,7 @@ def compensate_thread(
     leases: LeaseBackend | None = None,
     lease_ttl: float = 30.0,
     goal: str = "",
-) -> CompensationReport:
+) -> Steps[CompensationReport]:
     """Undo the thread's committed effects whose tool declares ``compensate=``, newest
     first, each through :func:`compensate_effect`; the keys of those without a compensator
     are logged in one ``compensated`` event (``without_compensator``), for a person.
@@ -285,58 +286,32 @@ def compensate_thread(
     Stops at the first undo of unknown outcome (a person decides before older effects are
     undone). Arguments as for :func:`compensate_effect`; ``tools`` by name.
     """
-    todo, missing, committed = plan_thread(cp.ledger(thread_id), tools)
+    todo, missing, committed = plan_thread((yield io(cp, "ledger", thread_id)), tools)
     options: dict[str, Any] = {
         **{"thread_id": thread_id, "checkpoint_ns": checkpoint_ns, "ask": ask, "by": by},
         **{"leases": leases, "lease_ttl": lease_ttl, "goal": goal, "committed": committed},
     }
-    outcomes = [compensate_effect(cp, entry, spec, **options) for entry, spec in todo]
+    outcomes = []
+    for entry, spec in todo:
+        undo = both(compensate_effect, acompensate_effect, cp, entry, spec, **options)
+        outcomes.append((yield undo))
     if missing:
-        cp.append_event(
-            thread_id,
-            EventKind.COMPENSATED,
-            {"without_compensator": missing},
-            checkpoint_ns=checkpoint_ns,
-        )
+        event = (thread_id, EventKind.COMPENSATED, {"without_compensator": missing})
+        yield io(cp, "append_event", *event, checkpoint_ns=checkpoint_ns)
     return report_of(outcomes, missing)
 
 
-async def acompensate_thread(
-    cp: RecoveryAPI,
-    thread_id: str,
-    tools: Mapping[str, BaseTool],
-    *,
-    checkpoint_ns: str = "",
-    ask: bool = False,
-    by: str | None = None,
-    leases: LeaseBackend | None = None,
-    lease_ttl: float = 30.0,
-    goal: str = "",
-) -> CompensationReport:
-    """Async form of :func:`compensate_thread`."""
-    todo, missing, committed = plan_thread(await cp.aledger(thread_id), tools)
-    options: dict[str, Any] = {
-        **{"thread_id": thread_id, "checkpoint_ns": checkpoint_ns, "ask": ask, "by": by},
-        **{"leases": leases, "lease_ttl": lease_ttl, "goal": goal, "committed": committed},
-    }
-    outcomes = [await acompensate_effect(cp, entry, spec, **options) for entry, spec in todo]
-    if missing:
-        await cp.aappend_event(
-            thread_id,
-            EventKind.COMPENSATED,
-            {"without_compensator": missing},
-            checkpoint_ns=checkpoint_ns,
-        )
-    return report_of(outcomes, missing)
+compensate_thread = synced(_compensate_thread)
+acompensate_thread = asynced(_compensate_thread)
 
 
-def decide_compensation(
+def _decide_compensation(
     cp: RecoveryAPI,
     effect_key: str,
     decision: Decision | Mapping[str, Any] | str,
     *,
     checkpoint_ns: str = "",
-) -> LedgerEntry:
+) -> Steps[LedgerEntry]:
     """Record a person's answer to an uncertain undo raised outside a graph.
 
     ``retry`` releases the undo for one more run of the compensator, ``skip`` leaves the
@@ -359,28 +334,15 @@ def decide_compensation(
             provide_result, or the undo is not uncertain (nothing waits on a person).
         LedgerConflict: Another run moved the undo first; nothing was written.
     """
-    undo = cp.ledger_entry(undo_key(effect_key))
-    before, moved, event = decision_write(
-        cp.ledger_entry(effect_key), undo, effect_key, decision, checkpoint_ns
-    )
-    cp.write_ledger(moved, expect=(before.status, before.attempt), events=[event])
+    undo = yield io(cp, "ledger_entry", undo_key(effect_key))
+    effect = yield io(cp, "ledger_entry", effect_key)
+    before, moved, event = decision_write(effect, undo, effect_key, decision, checkpoint_ns)
+    yield io(cp, "write_ledger", moved, expect=(before.status, before.attempt), events=[event])
     return moved
 
 
-async def adecide_compensation(
-    cp: RecoveryAPI,
-    effect_key: str,
-    decision: Decision | Mapping[str, Any] | str,
-    *,
-    checkpoint_ns: str = "",
-) -> LedgerEntry:
-    """Async form of :func:`decide_compensation`."""
-    undo = await cp.aledger_entry(undo_key(effect_key))
-    before, moved, event = decision_write(
-        await cp.aledger_entry(effect_key), undo, effect_key, decision, checkpoint_ns
-    )
-    await cp.awrite_ledger(moved, expect=(before.status, before.attempt), events=[event])
-    return moved
+decide_compensation = synced(_decide_compensation)
+adecide_compensation = asynced(_decide_compensation)
 
 
 class CompensateNode:

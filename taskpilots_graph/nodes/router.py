@@ -20,13 +20,14 @@ from langgraph.types import Command
 
 from taskpilots_graph import _clock
 from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine._records import error_message
 from taskpilots_graph.engine._recovery import decide_next, failure_signature, transition_events
 from taskpilots_graph.engine._run import run_finished
 from taskpilots_graph.errors import ToolWaiting
 from taskpilots_graph.events import EventKind, EventRecord
 from taskpilots_graph.failures import FailureKind
 from taskpilots_graph.nodes._context import run_context
-from taskpilots_graph.nodes.executor import RecoveryExecutor, error_message, pending_calls
+from taskpilots_graph.nodes.executor import RecoveryExecutor, pending_calls
 from taskpilots_graph.recovery import Action, RecoveryDecision
 from taskpilots_graph.state import StepRecord
 

@@ -28,12 +28,13 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command, interrupt
 
 from taskpilots_graph.checkpointers import RecoveryAPI
+from taskpilots_graph.engine._records import error_message, tool_content
 from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
 from taskpilots_graph.errors import InvalidDecision
 from taskpilots_graph.events import EventRecord
 from taskpilots_graph.ledger import LedgerEntry, LedgerStatus
 from taskpilots_graph.nodes._context import RunContext, run_context
-from taskpilots_graph.nodes.executor import error_message, pending_calls, tool_content
+from taskpilots_graph.nodes.executor import pending_calls
 from taskpilots_graph.state import StepRecord
 from taskpilots_graph.takeover import Decision, TakeoverRequest, parse_decision
 from taskpilots_graph.window import decisions_this_turn

@@ -49,6 +49,7 @@ from langgraph.graph import END
 from langgraph.types import Command, StateSnapshot
 
 from taskpilots_graph import _clock
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.conversation import close_dangling, valid_conversation
 from taskpilots_graph.engine._records import SUMMARY_CHARS
@@ -331,34 +332,41 @@ class ThinkNode:
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Decide the next action synchronously."""
-        ctx = run_context(config)
+        return run_steps(self._decide(state, config))
+
+    async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
+        """Decide the next action asynchronously."""
+        return await arun_steps(self._decide(state, config))
+
+    def _decide(self, state: dict[str, Any], config: RunnableConfig) -> Steps[Command[str]]:
+        """Both forms' body: the decision replayed or asked; the events written at the end."""
+        ctx, cp = run_context(config), self.checkpointer
         events, stuck, milestones = self._start(state, ctx)
         if stuck is not None:
-            self.checkpointer.append_records(events)
+            yield io(cp, "append_records", events)
             return stuck
         marker = resume_marker(state, config)
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
         try:
-            recorded = (
-                self.checkpointer.decision(ctx.thread_id, ctx.graph_ns, messages_digest(messages))
-                if self._may_replay(ctx, marker)
-                else None
-            )
+            recorded = None
+            if self._may_replay(ctx, marker):
+                digest = messages_digest(messages)
+                recorded = yield io(cp, "decision", ctx.thread_id, ctx.graph_ns, digest)
             if recorded is not None:
                 ai = load_message(recorded)  # the resume context waits for a real call
             else:
                 if marker is not None:
-                    ledger = self.checkpointer.ledger(ctx.thread_id)
+                    ledger = yield io(cp, "ledger", ctx.thread_id)
                     extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
                     if self.resume.acknowledge:
-                        ack = self._call(ctx, state, [*messages, *extra], config, events)
+                        ack = yield from self._call(ctx, state, [*messages, *extra], config, events)
                         extra += self._acknowledged(ctx, ack, events)
-                ai = self._call(ctx, state, [*messages, *extra], config, events)
+                ai = yield from self._call(ctx, state, [*messages, *extra], config, events)
             return self._finish(ctx, ai, recorded is not None, events, dangling, marker, milestones)
         finally:
-            self.checkpointer.append_records(events)
+            yield io(cp, "append_records", events)
 
     def _call(
         self,
@@ -367,70 +375,19 @@ class ThinkNode:
         messages: Sequence[BaseMessage],
         config: RunnableConfig,
         events: list[EventRecord],
-    ) -> BaseMessage:
+    ) -> Steps[BaseMessage]:
+        """The model's answer: every attempt of the model, then of each fallback."""
         last: Exception | None = None
         for index, attempt in self._attempts():
             try:
-                return self.models[index].invoke(self._input(state, messages, index), config)
+                given = self._input(state, messages, index)
+                answer: BaseMessage = yield io(self.models[index], "invoke", given, config)
+                return answer
             except GraphBubbleUp:
                 raise
             except Exception as exc:
                 last = exc
                 if (delay := self._failed(ctx, index, attempt, exc, events)) is not None:
-                    _clock.sleep(delay)
-        assert last is not None
-        raise last
-
-    async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
-        """Decide the next action asynchronously."""
-        ctx = run_context(config)
-        events, stuck, milestones = self._start(state, ctx)
-        if stuck is not None:
-            await self.checkpointer.aappend_records(events)
-            return stuck
-        marker = resume_marker(state, config)
-        dangling = close_dangling(state["messages"]) if marker else []
-        messages = [*state["messages"], *dangling]
-        extra: list[BaseMessage] = []
-        try:
-            recorded = (
-                await self.checkpointer.adecision(
-                    ctx.thread_id, ctx.graph_ns, messages_digest(messages)
-                )
-                if self._may_replay(ctx, marker)
-                else None
-            )
-            if recorded is not None:
-                ai = load_message(recorded)  # the resume context waits for a real call
-            else:
-                if marker is not None:
-                    ledger = await self.checkpointer.aledger(ctx.thread_id)
-                    extra = [self._resume_prompt(ctx, state, messages, marker, ledger, events)]
-                    if self.resume.acknowledge:
-                        ack = await self._acall(ctx, state, [*messages, *extra], config, events)
-                        extra += self._acknowledged(ctx, ack, events)
-                ai = await self._acall(ctx, state, [*messages, *extra], config, events)
-            return self._finish(ctx, ai, recorded is not None, events, dangling, marker, milestones)
-        finally:
-            await self.checkpointer.aappend_records(events)
-
-    async def _acall(
-        self,
-        ctx: RunContext,
-        state: Mapping[str, Any],
-        messages: Sequence[BaseMessage],
-        config: RunnableConfig,
-        events: list[EventRecord],
-    ) -> BaseMessage:
-        last: Exception | None = None
-        for index, attempt in self._attempts():
-            try:
-                return await self.models[index].ainvoke(self._input(state, messages, index), config)
-            except GraphBubbleUp:
-                raise
-            except Exception as exc:
-                last = exc
-                if (delay := self._failed(ctx, index, attempt, exc, events)) is not None:
-                    await _clock.asleep(delay)
+                    yield io(_clock, "sleep", delay)
         assert last is not None
         raise last
