@@ -31,8 +31,10 @@ from langchain_core.tools import BaseTool, InjectedToolCallId, Tool, tool
 from pydantic import BaseModel, ValidationError, field_validator
 
 import taskpilots_graph as tp
+from taskpilots_graph.checkpointers._records import TenureMemo
 from taskpilots_graph.engine._protocol import may_have_reached_service
 from taskpilots_graph.events import EventKind
+from taskpilots_graph.leases import THREAD_HOLD, thread_lease_name
 from taskpilots_graph.ledger import LedgerStatus, SideEffectSpec
 from taskpilots_graph.testing import fake_clock
 from taskpilots_graph.tools import check_args
@@ -426,11 +428,12 @@ def test_repeatable_tool_runs_again(cp: Any, courier: Courier, form: str) -> Non
 
 
 def test_repeat_guard_reads_once_per_lease_tenure(cp: Any, courier: Courier) -> None:
-    """Under the thread's lease the committed effects are read once: fresh side effects
-    cost no lookup of their own, and a commit made meanwhile is known without a read."""
+    """Under the thread's lease the committed effects are read once, with the run's first
+    read of the thread's ledger: fresh side effects cost no lookup of their own, and a
+    commit made meanwhile is known without a read."""
     calls: list[str] = []
     store = cp.store
-    for name in ("ledger_repeat", "ledger_committed_digests"):
+    for name in ("ledger", "ledger_repeat", "ledger_committed_digests"):
         original = getattr(store, name)
 
         def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
@@ -444,11 +447,75 @@ def test_repeat_guard_reads_once_per_lease_tenure(cp: Any, courier: Courier) -> 
     assert calls.count("ledger_repeat") <= 1  # fresh: at most the one read without a lease
     calls.clear()
     tp.run(graph, "t-1", {"messages": [("user", "ship P-2 to Oslo")]})
-    assert calls == ["ledger_committed_digests"]  # one read for the tenure, no lookup
+    assert calls == ["ledger"]  # one read for the tenure, no lookup
     calls.clear()
     tp.run(graph, "t-1", {"messages": [("user", "ship P-1 to Berlin")]})
-    assert calls == ["ledger_committed_digests", "ledger_repeat"]  # a hit is looked up
+    assert calls == ["ledger", "ledger_repeat"]  # a hit is looked up
     assert courier.bookings() == 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_fresh_idempotent_call_reads_no_entry_under_the_lease(
+    cp: Any, courier: Courier, form: str
+) -> None:
+    """An idempotent call under its default key, its step stored: the run's one read of the
+    thread's ledger tells its key is new, so no lookup of its own precedes the call. A key
+    that is on record is still read (the same command, run twice: no second booking)."""
+    reads: list[str] = []
+    original = cp.store.ledger_get
+
+    def counted(key: str) -> Any:
+        reads.append(key)
+        return original(key)
+
+    cp.store.ledger_get = counted
+    graph = build(form, cp, [ship_tool(courier, idempotent=True)], ClerkModel())
+    start = {"messages": [("user", "ship P-1 to Berlin")]}
+
+    tp.run(graph, f"fresh-{form}", start, durability="sync")
+    assert reads == []
+    assert courier.bookings("P-1") == 1
+    (entry,) = cp.ledger(f"fresh-{form}")
+    assert entry.status is LedgerStatus.COMMITTED
+
+    # A later tenure of the thread: its first ledger read finds the key, and a lookup of
+    # that key reads the entry; a key it did not find is answered without a read.
+    token = THREAD_HOLD.set(_Hold(f"fresh-{form}"))
+    try:
+        cp.ledger(f"fresh-{form}")
+        reads.clear()
+        assert cp.ledger_entry(entry.key, thread_id=f"fresh-{form}") == entry
+        assert cp.ledger_entry("ship_parcel:new", thread_id=f"fresh-{form}") is None
+        assert reads == [entry.key]
+    finally:
+        THREAD_HOLD.reset(token)
+    assert cp.ledger_entry("ship_parcel:new", thread_id=f"fresh-{form}") is None
+    assert reads == [entry.key, "ship_parcel:new"]  # without the lease: read
+
+
+class _Hold:
+    """Stands for a run's hold of the thread's lease (what the tenure's memo is keyed on)."""
+
+    def __init__(self, thread_id: str) -> None:
+        self.name = thread_lease_name(thread_id)
+
+
+def test_a_record_noted_before_its_scope_is_read_is_kept() -> None:
+    """A commit noted while a read of the thread's keys is in flight (parallel tasks) is
+    known once the read lands, even when the read did not see it."""
+    memo = TenureMemo()
+    token = THREAD_HOLD.set(_Hold("t-1"))
+    try:
+        assert memo.may_hold("t-1", "keys", "k-1")  # not read: every lookup reads
+        memo.note("t-1", "keys", "k-1")  # committed meanwhile
+        memo.remember("t-1", "keys", ["k-0"])  # the read started before the commit
+        assert memo.may_hold("t-1", "keys", "k-1")
+        assert not memo.may_hold("t-1", "keys", "k-2")
+        memo.note("t-1", "keys", "k-2")
+        assert memo.may_hold("t-1", "keys", "k-2")
+    finally:
+        THREAD_HOLD.reset(token)
+    assert memo.may_hold("t-1", "keys", "k-9")  # without the lease nothing is assumed
 
 
 def test_check_args_validates_as_invoke_does() -> None:

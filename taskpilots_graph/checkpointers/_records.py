@@ -4,6 +4,7 @@ the records deferred for their threads (:mod:`._ride`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -26,6 +27,9 @@ from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
 
 __all__ = ["RecoveryRecords", "TenureMemo"]
 
+_KEYS = "keys"
+"""The memo scope of the keys of a thread's ledger entries."""
+
 
 class TenureMemo:
     """What is on record for a thread, per scope, as far as its current lease tenure knows:
@@ -35,35 +39,48 @@ class TenureMemo:
 
     def __init__(self) -> None:
         self._known = weakref.WeakKeyDictionary[object, dict[str, set[Hashable]]]()
+        # Items noted before their scope was read: a read in flight may not see them.
+        self._early = weakref.WeakKeyDictionary[object, dict[str, set[Hashable]]]()
+        self._lock = threading.Lock()  # a note and a read's remember may race (tasks)
 
-    def _scopes(self, thread_id: str) -> dict[str, set[Hashable]] | None:
+    def _scopes(
+        self, thread_id: str
+    ) -> tuple[dict[str, set[Hashable]], dict[str, set[Hashable]]] | None:
         tenure = held_thread_lease(thread_id)
-        return None if tenure is None else self._known.setdefault(tenure, {})
+        if tenure is None:
+            return None
+        return self._known.setdefault(tenure, {}), self._early.setdefault(tenure, {})
 
     def unknown(self, thread_id: str, scope: str) -> bool:
         """Whether ``scope`` is to be read now: the lease is held and the scope not read."""
-        known = self._scopes(thread_id)
-        return known is not None and scope not in known
+        memo = self._scopes(thread_id)
+        return memo is not None and scope not in memo[0]
 
     def remember(self, thread_id: str, scope: str, items: Iterable[Hashable]) -> None:
         """What a read of ``scope`` found."""
-        if (known := self._scopes(thread_id)) is not None:
-            known.setdefault(scope, set()).update(items)
+        found = set(items)
+        if (memo := self._scopes(thread_id)) is not None:
+            known, early = memo
+            with self._lock:
+                known.setdefault(scope, set()).update(found, early.pop(scope, ()))
 
     def may_hold(self, thread_id: str, scope: str, item: Hashable) -> bool:
         """``False`` only when ``scope`` was read and ``item`` is not on record."""
-        known = self._scopes(thread_id)
-        return known is None or item in known.get(scope, {item})
+        memo = self._scopes(thread_id)
+        return memo is None or item in memo[0].get(scope, {item})
 
     def note(self, thread_id: str, scope: str, item: Hashable) -> None:
-        """``item`` was just recorded: added where ``scope`` was read."""
-        if (known := self._scopes(thread_id)) is not None and scope in known:
-            known[scope].add(item)
+        """``item`` was just recorded (kept for the scope's first read, if it is not read)."""
+        if (memo := self._scopes(thread_id)) is not None:
+            known, early = memo
+            with self._lock:
+                (known[scope] if scope in known else early.setdefault(scope, set())).add(item)
 
     def forget(self, thread_id: str) -> None:
         """Everything known for the thread's tenure (its records changed)."""
         if (tenure := held_thread_lease(thread_id)) is not None:
             self._known.pop(tenure, None)
+            self._early.pop(tenure, None)
 
 
 class RecoveryRecords(PendingWrites):
@@ -117,13 +134,25 @@ class RecoveryRecords(PendingWrites):
             CorruptRecordError: If a stored entry cannot be decoded.
         """
         yield io(self, "_flush_held", [thread_id] if thread_id else self._held_threads())
-        return cast(list[LedgerEntry], (yield io(self, "_call", "ledger", thread_id)))
+        entries = cast(list[LedgerEntry], (yield io(self, "_call", "ledger", thread_id)))
+        if thread_id is not None:  # the tenure's lookups need no read of their own
+            committed = (e for e in entries if e.status is LedgerStatus.COMMITTED)
+            self._effects().remember(thread_id, _KEYS, (e.key for e in entries))
+            self._effects().remember(thread_id, "", ((e.tool, e.args_digest) for e in committed))
+        return entries
 
     ledger = synced(_ledger)
     aledger = asynced(_ledger)
 
-    def _ledger_entry(self, key: str) -> Steps[LedgerEntry | None]:
-        """The entry recorded under an invocation key, if any."""
+    def _ledger_entry(self, key: str, *, thread_id: str | None = None) -> Steps[LedgerEntry | None]:
+        """The entry recorded under an invocation key, if any.
+
+        ``thread_id``: the thread whose runs alone write ``key`` (its default key). Under
+        that thread's lease, once its ledger was read (as a run does first), a key it does
+        not hold is answered ``None`` without a read.
+        """
+        if thread_id is not None and not self._effects().may_hold(thread_id, _KEYS, key):
+            return None
         yield io(self, "_flush_held", self._held_threads(key=key))
         return cast(LedgerEntry | None, (yield io(self, "_call", "ledger_get", key)))
 
@@ -154,10 +183,12 @@ class RecoveryRecords(PendingWrites):
     acommitted_effect = asynced(_committed_effect)
 
     def _effects(self) -> TenureMemo:
-        """The thread's committed (tool, arguments digest) pairs (one scope, ``""``)."""
+        """The thread's committed (tool, arguments digest) pairs (scope ``""``) and the keys
+        of its entries (scope :data:`_KEYS`)."""
         return self._shared("_committed_effects", TenureMemo)
 
     def _note_effect(self, entry: LedgerEntry) -> None:
+        self._effects().note(entry.thread_id, _KEYS, entry.key)
         if entry.status is LedgerStatus.COMMITTED:
             self._effects().note(entry.thread_id, "", (entry.tool, entry.args_digest))
 
@@ -202,7 +233,7 @@ class RecoveryRecords(PendingWrites):
 
         Events deferred for the same threads (and for ``flush``) go first.
         """
-        yield io(self, "_flush_held", self._held_before(records, flush))
+        yield io(self, "_flush_held", self._held_before(records, flush), carriers=True)
         batch = self._with_deferred(records, flush)
         return cast(list[Event], (yield io(self, "_call", "append_events", batch))) if batch else []
 

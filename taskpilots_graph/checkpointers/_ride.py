@@ -34,10 +34,13 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
+from langgraph.config import get_config
 
+from taskpilots_graph._compat import task_id
 from taskpilots_graph._twins import Steps, io
 from taskpilots_graph.checkpointers._ride_rows import riding
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
@@ -51,6 +54,14 @@ __all__ = ["PendingWrites"]
 T = TypeVar("T")
 _MUTEX_STRIPES = 64
 _CARRY_WAIT = 0.2  # seconds a put waits for a put_writes to take the commits it may carry
+
+
+def _running_task() -> str | None:
+    """The LangGraph task this code runs in, if any."""
+    try:
+        return task_id(get_config())
+    except RuntimeError:  # outside a graph's task
+        return None
 
 
 def _thread_of(config: RunnableConfig) -> str:
@@ -134,8 +145,10 @@ class PendingWrites(DelegatingSaver):
         if not callable(ride) or inspect.iscoroutinefunction(ride):
             return False
         check_thread_id(entry.thread_id)
-        commit = HeldCommit(entry, expect, tuple(events), task_id)
         with self._deferred_lock():
+            # The records deferred for the thread ride first, as with a ledger write.
+            earlier = self._deferred().pop(entry.thread_id, [])
+            commit = HeldCommit(entry, expect, (*earlier, *events), task_id)
             self._held_commits().setdefault(entry.thread_id, []).append(commit)
             self._commit_holding()[0] = True
         self._note_effect(entry)
@@ -198,22 +211,29 @@ class PendingWrites(DelegatingSaver):
             for commit in reversed(commits):
                 self._held_commits().setdefault(commit.entry.thread_id, []).insert(0, commit)
 
-    def _flush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
+    def _flush_held(
+        self, thread_ids: Iterable[str], *, parked: bool = False, carriers: bool = False
+    ) -> None:
         """Write the held commits of ``thread_ids`` now, each in its own transaction (the
-        parked ones too if ``parked``); waits for a put_writes carrying one of them."""
+        parked ones too if ``parked``); waits for a put_writes carrying one of them.
+
+        A put (``parked``), or an append of events (``carriers``), first gives the put_writes
+        already on their way the ride: those of tasks that ended, never this task's own.
+        """
         if not self._holds_commits():
             return  # nothing was ever held: no mutex to wait for
         for thread_id in thread_ids:
-            if parked:  # a put: give the thread's put_writes, already on its way, the ride
-                self._await_carriers(thread_id)
+            if parked or carriers:
+                self._await_carriers(thread_id, None if parked else _running_task())
             with self._commit_mutex(thread_id):
                 self._write_held(self._take_held(thread_id, lambda c: parked or not c.parked))
 
     def _carried(self) -> threading.Condition:
         return self._shared("_carried_condition", threading.Condition)
 
-    def _await_carriers(self, thread_id: str) -> None:
-        """Wait briefly until a put_writes has taken each of the thread's held commits.
+    def _await_carriers(self, thread_id: str, running: str | None = None) -> None:
+        """Wait briefly until a put_writes has taken each of the thread's held commits but
+        those of task ``running`` (its put_writes comes after it ends).
 
         A put runs concurrently with the put_writes of the tasks before it (LangGraph's
         background executor), which have the commits' ride: had the put written them on
@@ -222,7 +242,8 @@ class PendingWrites(DelegatingSaver):
 
         def taken() -> bool:
             with self._deferred_lock():
-                return all(c.parked for c in self._held_commits().get(thread_id, ()))
+                held = self._held_commits().get(thread_id, ())
+                return all(c.parked or c.task_id == running for c in held)
 
         with self._carried():
             self._carried().wait_for(taken, _CARRY_WAIT)
@@ -237,11 +258,14 @@ class PendingWrites(DelegatingSaver):
                 self._restore_held([replace(c, parked=True) for c in commits[done:]])
                 raise
 
-    async def _aflush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
+    async def _aflush_held(
+        self, thread_ids: Iterable[str], *, parked: bool = False, carriers: bool = False
+    ) -> None:
         """Async form of :meth:`_flush_held` (commits are held by the sync checkpointer
         only: its writes and the mutex wait run in a worker thread)."""
         if self._holds_commits():
-            await asyncio.to_thread(self._flush_held, list(thread_ids), parked=parked)
+            flush = partial(self._flush_held, list(thread_ids), parked=parked, carriers=carriers)
+            await asyncio.to_thread(flush)
 
     def _before_read(self, config: RunnableConfig) -> Steps[None]:
         """A run loads the thread: the parked commits of a run that failed are dropped (that

@@ -203,7 +203,7 @@ class _Carrier:
             latest = latest_successes((yield io(cp, "events", request.thread_id)))
             return latest.get((request.key, request.tool_call_id))
         if isinstance(request, ReadEntry):
-            return (yield io(cp, "ledger_entry", request.key))
+            return (yield io(cp, "ledger_entry", request.key, thread_id=request.thread_id))
         if isinstance(request, AwaitOwner):
             backend = yield both(self.backend, self.backend)
             return (yield from await_owner(request, backend=backend, cp=cp, timeout=self.ttl))

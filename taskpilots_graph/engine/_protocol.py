@@ -112,7 +112,7 @@ def run_call(ctx: CallContext) -> Protocol:
             return (yield from _repeat(ctx, earlier))
     entry: LedgerEntry | None
     if not writes_intent(ctx):
-        entry = yield ReadEntry(ctx.key)
+        entry = yield ReadEntry(ctx.key, ctx.thread_id)
         if entry is None:
             return (yield from _execute(ctx, None))
     else:

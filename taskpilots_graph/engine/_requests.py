@@ -75,9 +75,14 @@ class FindRepeat:
 
 @dataclass(frozen=True, slots=True)
 class ReadEntry:
-    """The ledger entry under ``key``, or ``None``."""
+    """The ledger entry under ``key``, or ``None``.
+
+    ``thread_id`` names the thread whose runs alone write ``key`` (a default key): under
+    that thread's lease, its keys are then known without a read per call.
+    """
 
     key: str
+    thread_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -349,6 +349,7 @@ class ThinkNode:
         dangling = close_dangling(state["messages"]) if marker else []
         messages = [*state["messages"], *dangling]
         extra: list[BaseMessage] = []
+        command: Command[str] | None = None
         try:
             recorded = None
             if self._may_replay(ctx, marker):
@@ -364,9 +365,16 @@ class ThinkNode:
                         ack = yield from self._call(ctx, state, [*messages, *extra], config, events)
                         extra += self._acknowledged(ctx, ack, events)
                 ai = yield from self._call(ctx, state, [*messages, *extra], config, events)
-            return self._finish(ctx, ai, recorded is not None, events, dangling, marker, milestones)
+            command = self._finish(
+                ctx, ai, recorded is not None, events, dangling, marker, milestones
+            )
+            return command
         finally:
-            yield io(cp, "append_records", events)
+            if command is not None and command.goto == "act":
+                # The act step's first durable write carries them (as the middleware's).
+                cp.defer_records(events)
+            else:
+                yield io(cp, "append_records", events)
 
     def _call(
         self,
