@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-__all__ = ["Clock", "asleep", "get_clock", "now", "set_clock", "sleep"]
+__all__ = ["Clock", "asleep", "now", "set_clock", "sleep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +20,6 @@ class Clock:
 
 
 _clock = Clock()
-
-
-def get_clock() -> Clock:
-    """The clock in use."""
-    return _clock
 
 
 def set_clock(clock: Clock) -> Clock:

@@ -318,7 +318,8 @@ def supervise(
     supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
     stop = stop or threading.Event()
     stopped = both(stop.wait, stop.wait, interval)
-    return run_steps(_loop(supervisor, interval, once, stopped, on_report))
+    scan = both(supervisor.tick, supervisor.atick)
+    return run_steps(scan_loop(scan, interval, once, stopped, on_report))
 
 
 async def asupervise(
@@ -335,7 +336,8 @@ async def asupervise(
     check_interval(interval)
     supervisor = Supervisor(graph, dispatch=dispatch, max_failures=max_failures)
     stopped = both(stopped_within, stopped_within, stop or asyncio.Event(), interval)
-    return await arun_steps(_loop(supervisor, interval, once, stopped, on_report))
+    scan = both(supervisor.tick, supervisor.atick)
+    return await arun_steps(scan_loop(scan, interval, once, stopped, on_report))
 
 
 async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
@@ -347,18 +349,19 @@ async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
     return True
 
 
-def _loop(
-    supervisor: Supervisor,
+def scan_loop(
+    scan: IO,
     interval: float,
     once: bool,
     stopped: IO,
     on_report: Callable[[ScanReport], None] | None,
 ) -> Steps[ScanReport]:
-    """The scans of :func:`supervise`; ``stopped`` waits ``interval`` for the stop signal."""
+    """Scan (``scan`` gives a report) until ``once`` or ``stopped`` (waits ``interval`` for
+    the stop signal); a scan failing on storage is logged and retried (raised if ``once``)."""
     report = ScanReport()
     while True:
         try:
-            report = yield from supervisor._tick()
+            report = yield scan
         except StorageError as exc:
             if once:
                 raise

@@ -32,11 +32,12 @@ from typing import Any, Final
 from langchain_core.runnables import RunnableConfig
 from langgraph.pregel import Pregel
 
+from taskpilots_graph._twins import arun_steps, both
 from taskpilots_graph.config import StorageSettings, open_graph
-from taskpilots_graph.errors import ConfigurationError, StorageError, ThreadBusy, ToolWaiting
+from taskpilots_graph.errors import ConfigurationError, ThreadBusy, ToolWaiting
 from taskpilots_graph.health import Attribution, ScanReport
 from taskpilots_graph.runner import leased_thread, recover, thread_config
-from taskpilots_graph.supervisor import Supervisor, check_interval, stopped_within
+from taskpilots_graph.supervisor import Supervisor, check_interval, scan_loop, stopped_within
 
 try:
     import procrastinate
@@ -418,25 +419,14 @@ def serve_queue_supervisor(
     setup_queue(settings.db_url)
 
     async def loop() -> ScanReport:
-        halt = stop or asyncio.Event()
-        report = ScanReport()
+        stopped = both(stopped_within, stopped_within, stop or asyncio.Event(), interval)
         async with app.open_async():
             with open_graph(graph_ref, settings) as graph:
                 hosted = _host(graph_ref, graph, stalled_after)
+                # Async only: run by arun_steps, which awaits the coroutine either form gives.
+                scan = both(_scan_and_queue, _scan_and_queue, app, hosted)
                 try:
-                    while True:
-                        try:
-                            report = await _scan_and_queue(app, hosted)
-                        except StorageError as exc:  # e.g. the lease backend is down
-                            if once:
-                                raise
-                            _log.warning("supervisor scan failed: %s", exc)
-                        else:
-                            _log.info("supervisor scan: %s", report.summary())
-                            if on_report is not None:
-                                on_report(report)
-                        if once or await stopped_within(halt, interval):
-                            return report
+                    return await arun_steps(scan_loop(scan, interval, once, stopped, on_report))
                 finally:
                     _HOSTED.pop(graph_ref, None)
 

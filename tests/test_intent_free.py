@@ -62,6 +62,7 @@ class Desk:
         self.requests: list[str] = []
         self.on_record: list[list[tuple[Any, ...]]] = []
         self.call_stored: list[bool] = []
+        self.events_stored: list[list[str]] = []
 
     def tool(self, *, key: Callable[[dict[str, Any]], str] | None = None) -> BaseTool:
         def charge(order: str) -> str:
@@ -75,6 +76,16 @@ class Desk:
                     "SELECT status FROM taskpilots_ledger WHERE key = ?",
                     request_key,
                 )
+            )
+            self.events_stored.append(
+                [
+                    kind
+                    for (kind,) in _rows(
+                        self.conn_string,
+                        "SELECT kind FROM taskpilots_events WHERE thread_id = ? ORDER BY seq",
+                        invocation.thread_id,
+                    )
+                ]
             )
             self.requests.append(request_key)
             return self.charges.setdefault(request_key, f"charge-{len(self.charges) + 1}")
@@ -165,6 +176,28 @@ def test_the_intent_stays_where_it_is_needed(
     assert late.on_record == [[("intended",)]]  # the intent carries the model's decision
     digest = messages_digest([HumanMessage("charge order o-1")])
     assert cp.decision(f"late-{form}", "", digest) is not None
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_model_steps_events_ride_the_first_durable_write(
+    form: str, cp: tp.RecoveryCheckpointer, conn_string: str
+) -> None:
+    """The model's step writes nothing of its own on the way to a tool step: its events wait
+    in memory for the thread's first durable write after it. For a keyed call that is the
+    intent, so they are on disk before the effect; for an intent-free call, the commit,
+    which puts them before the call's own events."""
+    keyed = Desk(conn_string)
+    tool = keyed.tool(key=lambda args: f"charge:{args['order']}")
+    _go(_agent(form, cp, tool), "run", f"ride-keyed-{form}", durability="sync")
+    assert keyed.events_stored[0][0] == "agent_started"
+
+    free = Desk(conn_string)
+    _go(_agent(form, cp, free.tool()), "run", f"ride-free-{form}", durability="sync")
+    assert free.events_stored == [[]]  # no write of the run before its effect
+    kinds = [e.kind for e in cp.events(f"ride-free-{form}")]
+    assert kinds[0] is EventKind.AGENT_STARTED
+    assert kinds.index(EventKind.TOOL_INVOKED) < kinds.index(EventKind.TOOL_SUCCEEDED)
+    assert kinds[-1] is EventKind.AGENT_FINISHED
 
 
 _CHILD = textwrap.dedent(

@@ -94,7 +94,7 @@ class MessageCoding(BaseCheckpointSaver[Any]):
         self.message_log.forget(rows.thread_id)
 
     def _riding(self) -> AbstractContextManager[Ride | None]:
-        # Only a saver that declares it takes the rows into its put (see .messages.Ride).
+        # Only a saver that declares it takes the rows into its put (see ._ride_rows.Ride).
         if getattr(self.inner, "rides_messages", False):
             return riding(getattr(self, "store", None))
         return nullcontext()

@@ -19,6 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from taskpilots_graph._twins import Steps, arun_steps, asynced, both, run_steps, synced
 from taskpilots_graph.errors import (
     ConfigurationError,
     StorageBusy,
@@ -139,25 +140,17 @@ class _Check:
     def __init__(self) -> None:
         self.pool: ConnectionPool[Any] | AsyncConnectionPool[Any] | None = None
 
-    def __call__(self, conn: psycopg.Connection[Any]) -> None:
+    def _check(self, conn: Any) -> Steps[None]:
         if not _suspect(conn):
             return
         try:
-            ConnectionPool.check_connection(conn)
+            yield both(ConnectionPool.check_connection, AsyncConnectionPool.check_connection, conn)
         except psycopg.Error:
-            if isinstance(self.pool, ConnectionPool):
-                self.pool.check()
+            if self.pool is not None:  # the pool of the same form
+                yield both(self.pool.check, self.pool.check)
             raise
 
-    async def acheck(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        if not _suspect(conn):
-            return
-        try:
-            await AsyncConnectionPool.check_connection(conn)
-        except psycopg.Error:
-            if isinstance(self.pool, AsyncConnectionPool):
-                await self.pool.check()
-            raise
+    __call__, acheck = synced(_check), asynced(_check)
 
 
 def _connect_settings(url: str, connect_timeout: float | None) -> tuple[dict[str, Any], float]:
@@ -203,19 +196,13 @@ def _connecting(failure: type[psycopg.Error] = psycopg.Error) -> Iterator[None]:
         raise StorageUnavailable(why, backend=_BACKEND, operation="connect") from exc
 
 
-def _probe(url: str, kwargs: dict[str, Any]) -> None:
+def _probe(url: str, kwargs: dict[str, Any]) -> Steps[None]:
     """One direct connection: an unreachable server, unknown database or role, or a bad
     option fails at once with libpq's own reason (a pool would retry until it timed out)."""
+    options = {"connect_timeout": kwargs.get("connect_timeout"), "autocommit": True}
     with _connecting():
-        psycopg.connect(url, connect_timeout=kwargs.get("connect_timeout"), autocommit=True).close()
-
-
-async def _aprobe(url: str, kwargs: dict[str, Any]) -> None:
-    with _connecting():
-        conn = await psycopg.AsyncConnection.connect(
-            url, connect_timeout=kwargs.get("connect_timeout"), autocommit=True
-        )
-    await conn.close()
+        conn = yield both(psycopg.connect, psycopg.AsyncConnection.connect, url, **options)
+    yield both(conn.close, conn.close)
 
 
 def _reconnect_again(pool: ConnectionPool[Any]) -> None:
@@ -274,7 +261,7 @@ def open_pool(
         StorageUnavailable: The server cannot be reached or refuses the session.
     """
     kwargs, wait = _connect_settings(url, connect_timeout)
-    _probe(url, kwargs)
+    run_steps(_probe(url, kwargs))
     check = _Check()
     options = _pool_options(max_size, kwargs, timeout, wait)
     with ConnectionPool(url, check=check, reconnect_failed=_reconnect_again, **options) as pool:
@@ -294,7 +281,7 @@ async def open_async_pool(
 ) -> AsyncIterator[AsyncConnectionPool[Any]]:
     """An async pool shared by the saver and the recovery store (see :func:`open_pool`)."""
     kwargs, wait = _connect_settings(url, connect_timeout)
-    await _aprobe(url, kwargs)
+    await arun_steps(_probe(url, kwargs))
     check = _Check()
     options = _pool_options(max_size, kwargs, timeout, wait)
     async with AsyncConnectionPool(

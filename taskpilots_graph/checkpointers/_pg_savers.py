@@ -3,12 +3,12 @@
 Over a pool (:func:`~taskpilots_graph.checkpointers._pg_connect.open_pool`) each call has a
 connection of its own, so neither saver serialises its callers on a per-instance lock, and a
 put writes the checkpoint's message rows in its own transaction
-(:class:`~taskpilots_graph.checkpointers.messages.Ride`).
+(:class:`~taskpilots_graph.checkpointers._ride_rows.Ride`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
@@ -17,7 +17,7 @@ from contextlib import (
     nullcontext,
 )
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -25,13 +25,12 @@ from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from taskpilots_graph._twins import IO, Steps, arun_steps, run_steps
 from taskpilots_graph.checkpointers._pg_connect import connection_lost, storage_error
 from taskpilots_graph.checkpointers._ride_rows import Ride, pending_ride
 from taskpilots_graph.errors import StorageError, StorageUnavailable
 
 __all__ = ["PooledAsyncPostgresSaver", "PooledPostgresSaver"]
-
-R = TypeVar("R")
 
 
 @contextmanager
@@ -55,24 +54,15 @@ def _retryable(exc: StorageError) -> bool:
     )
 
 
-def _retried(call: Callable[[], R]) -> R:
-    """``call()``, made again once if it lost its connection mid-way (:func:`_retryable`)."""
+def _retried(call: Callable[[], Any]) -> Steps[Any]:
+    """``call()`` (awaited when async), made again once if it lost its connection mid-way
+    (:func:`_retryable`)."""
     try:
-        return call()
+        return (yield IO(call, call))
     except StorageError as exc:
         if not _retryable(exc):
             raise
-    return call()
-
-
-async def _aretried(call: Callable[[], Awaitable[R]]) -> R:
-    """Async twin of :func:`_retried`."""
-    try:
-        return await call()
-    except StorageError as exc:
-        if not _retryable(exc):
-            raise
-    return await call()
+    return (yield IO(call, call))
 
 
 class _NoLock:
@@ -114,7 +104,7 @@ class PooledPostgresSaver(PostgresSaver):
     @property
     def rides_messages(self) -> bool:
         """Whether ``put`` writes the checkpoint's message rows in its own transaction
-        (:class:`~taskpilots_graph.checkpointers.messages.Ride`): over a pool, where each
+        (:class:`~taskpilots_graph.checkpointers._ride_rows.Ride`): over a pool, where each
         put has a connection of its own."""
         return isinstance(self.conn, ConnectionPool) and self.pipe is None
 
@@ -152,13 +142,13 @@ class PooledPostgresSaver(PostgresSaver):
         ride.written = True
 
     def get_tuple(self, config: Any) -> Any:
-        return _retried(partial(super().get_tuple, config))
+        return run_steps(_retried(partial(super().get_tuple, config)))
 
     def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        return _retried(partial(super().put, config, checkpoint, metadata, new_versions))
+        return run_steps(_retried(partial(super().put, config, checkpoint, metadata, new_versions)))
 
     def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
-        _retried(partial(super().put_writes, config, writes, task_id, task_path))
+        run_steps(_retried(partial(super().put_writes, config, writes, task_id, task_path)))
 
 
 class PooledAsyncPostgresSaver(AsyncPostgresSaver):
@@ -216,12 +206,14 @@ class PooledAsyncPostgresSaver(AsyncPostgresSaver):
         ride.written = True
 
     async def aget_tuple(self, config: Any) -> Any:
-        return await _aretried(partial(super().aget_tuple, config))
+        return await arun_steps(_retried(partial(super().aget_tuple, config)))
 
     async def aput(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        return await _aretried(partial(super().aput, config, checkpoint, metadata, new_versions))
+        return await arun_steps(
+            _retried(partial(super().aput, config, checkpoint, metadata, new_versions))
+        )
 
     async def aput_writes(
         self, config: Any, writes: Any, task_id: str, task_path: str = ""
     ) -> None:
-        await _aretried(partial(super().aput_writes, config, writes, task_id, task_path))
+        await arun_steps(_retried(partial(super().aput_writes, config, writes, task_id, task_path)))

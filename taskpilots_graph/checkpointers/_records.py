@@ -233,7 +233,7 @@ class RecoveryRecords(PendingWrites):
 
         Events deferred for the same threads (and for ``flush``) go first.
         """
-        yield io(self, "_flush_held", self._held_before(records, flush), carriers=True)
+        yield io(self, "_flush_held", self._held_before(records, flush))
         batch = self._with_deferred(records, flush)
         return cast(list[Event], (yield io(self, "_call", "append_events", batch))) if batch else []
 

@@ -34,13 +34,10 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.runnables import RunnableConfig
-from langgraph.config import get_config
 
-from taskpilots_graph._compat import task_id
 from taskpilots_graph._twins import Steps, io
 from taskpilots_graph.checkpointers._ride_rows import riding
 from taskpilots_graph.checkpointers._wrapper import DelegatingSaver
@@ -54,14 +51,6 @@ __all__ = ["PendingWrites"]
 T = TypeVar("T")
 _MUTEX_STRIPES = 64
 _CARRY_WAIT = 0.2  # seconds a put waits for a put_writes to take the commits it may carry
-
-
-def _running_task() -> str | None:
-    """The LangGraph task this code runs in, if any."""
-    try:
-        return task_id(get_config())
-    except RuntimeError:  # outside a graph's task
-        return None
 
 
 def _thread_of(config: RunnableConfig) -> str:
@@ -211,29 +200,22 @@ class PendingWrites(DelegatingSaver):
             for commit in reversed(commits):
                 self._held_commits().setdefault(commit.entry.thread_id, []).insert(0, commit)
 
-    def _flush_held(
-        self, thread_ids: Iterable[str], *, parked: bool = False, carriers: bool = False
-    ) -> None:
+    def _flush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
         """Write the held commits of ``thread_ids`` now, each in its own transaction (the
-        parked ones too if ``parked``); waits for a put_writes carrying one of them.
-
-        A put (``parked``), or an append of events (``carriers``), first gives the put_writes
-        already on their way the ride: those of tasks that ended, never this task's own.
-        """
+        parked ones too if ``parked``); waits for a put_writes carrying one of them."""
         if not self._holds_commits():
             return  # nothing was ever held: no mutex to wait for
         for thread_id in thread_ids:
-            if parked or carriers:
-                self._await_carriers(thread_id, None if parked else _running_task())
+            if parked:  # a put: give the thread's put_writes, already on its way, the ride
+                self._await_carriers(thread_id)
             with self._commit_mutex(thread_id):
                 self._write_held(self._take_held(thread_id, lambda c: parked or not c.parked))
 
     def _carried(self) -> threading.Condition:
         return self._shared("_carried_condition", threading.Condition)
 
-    def _await_carriers(self, thread_id: str, running: str | None = None) -> None:
-        """Wait briefly until a put_writes has taken each of the thread's held commits but
-        those of task ``running`` (its put_writes comes after it ends).
+    def _await_carriers(self, thread_id: str) -> None:
+        """Wait briefly until a put_writes has taken each of the thread's held commits.
 
         A put runs concurrently with the put_writes of the tasks before it (LangGraph's
         background executor), which have the commits' ride: had the put written them on
@@ -242,8 +224,7 @@ class PendingWrites(DelegatingSaver):
 
         def taken() -> bool:
             with self._deferred_lock():
-                held = self._held_commits().get(thread_id, ())
-                return all(c.parked or c.task_id == running for c in held)
+                return all(c.parked for c in self._held_commits().get(thread_id, ()))
 
         with self._carried():
             self._carried().wait_for(taken, _CARRY_WAIT)
@@ -258,14 +239,11 @@ class PendingWrites(DelegatingSaver):
                 self._restore_held([replace(c, parked=True) for c in commits[done:]])
                 raise
 
-    async def _aflush_held(
-        self, thread_ids: Iterable[str], *, parked: bool = False, carriers: bool = False
-    ) -> None:
+    async def _aflush_held(self, thread_ids: Iterable[str], *, parked: bool = False) -> None:
         """Async form of :meth:`_flush_held` (commits are held by the sync checkpointer
         only: its writes and the mutex wait run in a worker thread)."""
         if self._holds_commits():
-            flush = partial(self._flush_held, list(thread_ids), parked=parked, carriers=carriers)
-            await asyncio.to_thread(flush)
+            await asyncio.to_thread(self._flush_held, list(thread_ids), parked=parked)
 
     def _before_read(self, config: RunnableConfig) -> Steps[None]:
         """A run loads the thread: the parked commits of a run that failed are dropped (that

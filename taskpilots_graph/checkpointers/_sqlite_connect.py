@@ -3,7 +3,7 @@
 :func:`open_sqlite` checks the path and switches the file to WAL (:func:`enable_wal`);
 :func:`sqlite_error` and :func:`mapped_errors` type sqlite3's failures. The savers
 (:class:`RidingSqliteSaver`, :class:`RidingAsyncSqliteSaver`) write a checkpoint's message
-rows in the checkpoint's own transaction (:class:`~taskpilots_graph.checkpointers.messages.Ride`):
+rows in the checkpoint's own transaction (:class:`~taskpilots_graph.checkpointers._ride_rows.Ride`):
 one commit, one fsync.
 """
 
@@ -230,7 +230,7 @@ class RidingSqliteSaver(SqliteSaver):
     whose ``put_writes`` commits a task's held ledger commits (``RecoveryAPI.hold_commit``).
 
     The rows come from the store through an open
-    :class:`~taskpilots_graph.checkpointers.messages.Ride`; without one it is exactly
+    :class:`~taskpilots_graph.checkpointers._ride_rows.Ride`; without one it is exactly
     ``SqliteSaver``. A failed put rolls the rows back with the checkpoint (upstream commits
     in any case, which would leave unreferenced rows: harmless, but needless).
     """

@@ -7,7 +7,7 @@ saver protocol through one piece of code. Anything that touches the recovery sto
 One thing changes on the way: message lists are stored once per thread in the recovery
 store (:mod:`.messages`) and the checkpoint handed to the saver refers to them. ``put``
 writes the message rows in the checkpoint's transaction when the saver takes them (see
-:class:`~.messages.Ride`), otherwise first, then the checkpoint; every read rebuilds the
+:class:`~._ride_rows.Ride`), otherwise first, then the checkpoint; every read rebuilds the
 exact lists (:mod:`._message_coding`).
 """
 

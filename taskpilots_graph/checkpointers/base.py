@@ -266,7 +266,7 @@ class MessageStore(Protocol):
 
     def messages_write(self, rows: MessageRows) -> None:
         """Insert new sequences, references and (if the thread lacks their key) messages,
-        atomically; durable on return. Inside a ride (:func:`.messages.riding`, opened
+        atomically; durable on return. Inside a ride (:func:`._ride_rows.riding`, opened
         only for a saver declaring ``rides_messages``) a built-in store hands the rows to
         the saver's ``put`` instead, which commits them with the checkpoint."""
 

@@ -242,7 +242,7 @@ class PostgresStore(PostgresBodies, SqlQueries):
 
     def messages_write(self, rows: MessageRows) -> None:
         """Insert a checkpoint's new messages, sequences and references: one statement,
-        in the saver's transaction inside a ride (see :class:`.messages.Ride`), otherwise
+        in the saver's transaction inside a ride (see :class:`._ride_rows.Ride`), otherwise
         committed before the saver writes the checkpoint that refers to them."""
         if (ride := pending_ride(self)) is None:
             self._within("messages_write", partial(self._messages_write, rows), write=True)

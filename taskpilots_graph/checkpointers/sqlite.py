@@ -226,7 +226,7 @@ class SqliteStore(_SqliteBodies, SqlQueries):
     def messages_write(self, rows: MessageRows) -> None:
         """Insert a checkpoint's new messages, sequences and references in one transaction.
 
-        Inside a ride (:func:`~taskpilots_graph.checkpointers.messages.riding`) the rows are
+        Inside a ride (:func:`~taskpilots_graph.checkpointers._ride_rows.riding`) the rows are
         handed to the saver's ``put`` and committed with the checkpoint. Otherwise in a
         transaction of their own, committed before the saver writes the checkpoint: a crash
         in between leaves unreferenced rows, never a checkpoint that refers to missing ones.

@@ -119,11 +119,6 @@ class Services:
         with self._db() as db:
             return int(db.execute("SELECT COUNT(*) FROM kill_points").fetchone()[0])
 
-    def clear_kills(self) -> None:
-        """Remove every planted kill point."""
-        with self._db() as db:
-            db.execute("DELETE FROM kill_points")
-
     def kills_fired(self) -> list[tuple[str, Phase, str]]:
         """``(service, phase, identity)`` of every kill point that fired, oldest first."""
         with self._db() as db:

@@ -29,6 +29,7 @@ from psycopg import errors
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from taskpilots_graph._twins import Steps, asynced, io, synced
 from taskpilots_graph.checkpointers._pg_connect import CONNECTION_KWARGS
 from taskpilots_graph.checkpointers.postgres import AsyncPostgresStore, PostgresStore
 from taskpilots_graph.errors import ConfigurationError, LeaseLost, StorageError
@@ -118,7 +119,7 @@ def _renewed(lease: Lease, row: tuple[Any, ...] | None) -> Lease:
     return Lease(lease.name, lease.owner, lease.fencing, float(row[0]), lease.ttl)
 
 
-def _holder(name: str, row: tuple[Any, ...] | None) -> Lease | None:
+def _held(name: str, row: tuple[Any, ...] | None) -> Lease | None:
     if row is None:
         return None
     owner, fencing, expires_at, left = row
@@ -194,18 +195,6 @@ class PostgresLeaseBackend(LeaseBackendBase):
         with _reachable():
             PostgresStore(self._sync_pool(), threading.Lock()).setup()
 
-    def acquire(self, name: str, owner: str, ttl: float) -> Lease | None:
-        return _granted(name, owner, ttl, self._one(ACQUIRE_SQL, _acquire_params(name, owner, ttl)))
-
-    def renew(self, lease: Lease) -> Lease:
-        return _renewed(lease, self._one(RENEW_SQL, _lease_params(lease)))
-
-    def release(self, lease: Lease) -> bool:
-        return self._one(RELEASE_SQL, _lease_params(lease)) == (1,)
-
-    def holder(self, name: str) -> Lease | None:
-        return _holder(name, self._one(HOLDER_SQL, {"name": name}))
-
     def close(self) -> None:
         """Close the sync pool if this backend opened it."""
         if self._own_pool and self._pool is not None:
@@ -239,22 +228,30 @@ class PostgresLeaseBackend(LeaseBackendBase):
         with _reachable():
             await AsyncPostgresStore(await self._async_pool(), asyncio.Lock()).setup()
 
-    async def aacquire(self, name: str, owner: str, ttl: float) -> Lease | None:
-        params = _acquire_params(name, owner, ttl)
-        return _granted(name, owner, ttl, await self._aone(ACQUIRE_SQL, params))
-
-    async def arenew(self, lease: Lease) -> Lease:
-        return _renewed(lease, await self._aone(RENEW_SQL, _lease_params(lease)))
-
-    async def arelease(self, lease: Lease) -> bool:
-        return await self._aone(RELEASE_SQL, _lease_params(lease)) == (1,)
-
-    async def aholder(self, name: str) -> Lease | None:
-        return _holder(name, await self._aone(HOLDER_SQL, {"name": name}))
-
     async def aclose(self) -> None:
         """Close the pools this backend opened (async and sync)."""
         if self._own_apool and self._apool is not None:
             await self._apool.close()
             self._apool, self._own_apool = None, False
         self.close()
+
+    # -- the operations, sync and async --------------------------------------------------------
+
+    def _acquire(self, name: str, owner: str, ttl: float) -> Steps[Lease | None]:
+        row = yield io(self, "_one", ACQUIRE_SQL, _acquire_params(name, owner, ttl))
+        return _granted(name, owner, ttl, row)
+
+    def _renew(self, lease: Lease) -> Steps[Lease]:
+        return _renewed(lease, (yield io(self, "_one", RENEW_SQL, _lease_params(lease))))
+
+    def _release(self, lease: Lease) -> Steps[bool]:
+        row: tuple[Any, ...] | None = yield io(self, "_one", RELEASE_SQL, _lease_params(lease))
+        return row == (1,)
+
+    def _holder(self, name: str) -> Steps[Lease | None]:
+        return _held(name, (yield io(self, "_one", HOLDER_SQL, {"name": name})))
+
+    acquire, aacquire = synced(_acquire), asynced(_acquire)
+    renew, arenew = synced(_renew), asynced(_renew)
+    release, arelease = synced(_release), asynced(_release)
+    holder, aholder = synced(_holder), asynced(_holder)

@@ -32,6 +32,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ReadOnlyError
 from redis.retry import Retry
 
+from taskpilots_graph._twins import IO, Steps, asynced, both, synced
 from taskpilots_graph.errors import ConfigurationError, CorruptRecordError, LeaseLost
 from taskpilots_graph.errors import LockBackendUnavailable as Unavailable
 from taskpilots_graph.leases import Lease, LeaseBackendBase, check_lease_args
@@ -237,7 +238,7 @@ class RedisLeaseBackend(LeaseBackendBase):
     def _release_args(self, lease: Lease) -> dict[str, Any]:
         return {"keys": self._keys(lease.name)[:1], "args": (_token(lease),)}
 
-    def _holder(self, name: str, raw: Sequence[Any]) -> Lease | None:
+    def _held(self, name: str, raw: Sequence[Any]) -> Lease | None:
         if not raw[0]:
             return None
         _, token, pttl, sec, usec = raw
@@ -245,55 +246,37 @@ class RedisLeaseBackend(LeaseBackendBase):
         left = max(0, int(pttl)) / 1000
         return Lease(name, owner, fencing, _server_now(sec, usec) + left, left)
 
-    # -- sync ----------------------------------------------------------------------------------
+    # -- the operations, sync and async --------------------------------------------------------
 
-    def acquire(self, name: str, owner: str, ttl: float) -> Lease | None:
-        call = self._acquire_args(name, owner, ttl)
+    def _run(self, script: str, **call: Any) -> Steps[Any]:
+        """``script`` (one of :class:`_Scripts`) on the sync or the async client."""
         with _reachable():
-            raw = self._sync().acquire(**call)
+            run = getattr((yield IO(self._sync, self._async)), script)
+            return (yield both(run, run, **call))
+
+    def _acquire(self, name: str, owner: str, ttl: float) -> Steps[Lease | None]:
+        raw = yield from self._run("acquire", **self._acquire_args(name, owner, ttl))
         return self._granted(name, owner, ttl, raw)
 
-    def renew(self, lease: Lease) -> Lease:
-        with _reachable():
-            raw = self._sync().renew(**self._renew_args(lease))
-        return self._renewed(lease, raw)
+    def _renew(self, lease: Lease) -> Steps[Lease]:
+        return self._renewed(lease, (yield from self._run("renew", **self._renew_args(lease))))
 
-    def release(self, lease: Lease) -> bool:
-        with _reachable():
-            return bool(self._sync().release(**self._release_args(lease)))
+    def _release(self, lease: Lease) -> Steps[bool]:
+        return bool((yield from self._run("release", **self._release_args(lease))))
 
-    def holder(self, name: str) -> Lease | None:
-        with _reachable():
-            raw = self._sync().holder(keys=self._keys(name)[:1])
-        return self._holder(name, raw)
+    def _holder(self, name: str) -> Steps[Lease | None]:
+        return self._held(name, (yield from self._run("holder", keys=self._keys(name)[:1])))
+
+    acquire, aacquire = synced(_acquire), asynced(_acquire)
+    renew, arenew = synced(_renew), asynced(_renew)
+    release, arelease = synced(_release), asynced(_release)
+    holder, aholder = synced(_holder), asynced(_holder)
 
     def close(self) -> None:
         """Close the sync client if this backend opened it."""
         if self._own_client and self._client is not None:
             self._client.close()
         self._client, self._scripts, self._own_client = None, None, False
-
-    # -- async ---------------------------------------------------------------------------------
-
-    async def aacquire(self, name: str, owner: str, ttl: float) -> Lease | None:
-        call = self._acquire_args(name, owner, ttl)
-        with _reachable():
-            raw = await self._async().acquire(**call)
-        return self._granted(name, owner, ttl, raw)
-
-    async def arenew(self, lease: Lease) -> Lease:
-        with _reachable():
-            raw = await self._async().renew(**self._renew_args(lease))
-        return self._renewed(lease, raw)
-
-    async def arelease(self, lease: Lease) -> bool:
-        with _reachable():
-            return bool(await self._async().release(**self._release_args(lease)))
-
-    async def aholder(self, name: str) -> Lease | None:
-        with _reachable():
-            raw = await self._async().holder(keys=self._keys(name)[:1])
-        return self._holder(name, raw)
 
     async def aclose(self) -> None:
         """Close the clients this backend opened (async and sync)."""

@@ -47,6 +47,7 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
 from taskpilots_graph._compat import task_checkpointer
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.errors import ConfigurationError
 from taskpilots_graph.leases import DEFAULT_LEASE_TTL, LeaseBackend
@@ -177,25 +178,23 @@ class ToolNode(_LangGraphToolNode):
                 self._recoveries[id(cp)] = recovery
             return recovery
 
-    def _wrap(self, request: ToolCallRequest, execute: Execute) -> Any:
+    def _call(self, request: ToolCallRequest, execute: Execute | AsyncExecute) -> Steps[Any]:
+        """One tool call through the middleware (the body of ``_wrap`` and ``_awrap``)."""
         recovery = self.recovery(request.runtime.config)
         thread_id = _thread_id(request.runtime.config)
         try:
-            return recovery.wrap_tool_call(request, execute)
+            return (yield io(recovery, "wrap_tool_call", request, execute))
         finally:
             # The middleware leaves pure-tool events for the next model call to write; the
             # model node here is the user's, so they are written at the end of the call.
             if thread_id is not None:
-                recovery.checkpointer.append_records([], flush=thread_id)
+                yield io(recovery.checkpointer, "append_records", [], flush=thread_id)
+
+    def _wrap(self, request: ToolCallRequest, execute: Execute) -> Any:
+        return run_steps(self._call(request, execute))
 
     async def _awrap(self, request: ToolCallRequest, execute: AsyncExecute) -> Any:
-        recovery = self.recovery(request.runtime.config)
-        thread_id = _thread_id(request.runtime.config)
-        try:
-            return await recovery.awrap_tool_call(request, execute)
-        finally:
-            if thread_id is not None:
-                await recovery.checkpointer.aappend_records([], flush=thread_id)
+        return await arun_steps(self._call(request, execute))
 
 
 def _thread_id(config: RunnableConfig) -> str | None:

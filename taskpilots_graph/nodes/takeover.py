@@ -27,6 +27,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langgraph.types import Command, interrupt
 
+from taskpilots_graph._twins import Steps, arun_steps, io, run_steps
 from taskpilots_graph.checkpointers import RecoveryAPI
 from taskpilots_graph.engine._records import error_message, tool_content
 from taskpilots_graph.engine._takeover import decided_by, decision_recorded, ledger_move
@@ -199,45 +200,33 @@ class TakeoverNode:
         event = decision_recorded(ctx.thread_id, ctx.graph_ns, decision, who, steps)
         return _command(state, decision, chosen), writes, [event]
 
-    def _ledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
+    def _answered(self, state: Mapping[str, Any], config: RunnableConfig) -> Steps[Command[str]]:
+        """Ask, then apply the answer (the body of :meth:`invoke` and :meth:`ainvoke`)."""
+        ctx = run_context(config)
+        cp = self.checkpointer
         # The thread's entries, plus those of waiting steps recorded under a business key by
         # another thread (keys are global): the person must see the effect in question.
-        ledger = self.checkpointer.ledger(thread_id)
+        ledger: list[LedgerEntry] = list((yield io(cp, "ledger", ctx.thread_id)))
         known = {e.key for e in ledger}
-        keys = [k for r in waiting_steps(state) if (k := r.get("key")) and k not in known]
-        return ledger + [e for k in keys if (e := self.checkpointer.ledger_entry(k))]
-
-    async def _aledger(self, state: Mapping[str, Any], thread_id: str) -> list[LedgerEntry]:
-        ledger = await self.checkpointer.aledger(thread_id)
-        known = {e.key for e in ledger}
-        keys = [k for r in waiting_steps(state) if (k := r.get("key")) and k not in known]
-        return ledger + [e for k in keys if (e := await self.checkpointer.aledger_entry(k))]
+        for key in [k for r in waiting_steps(state) if (k := r.get("key")) and k not in known]:
+            if entry := (yield io(cp, "ledger_entry", key)):
+                ledger.append(entry)
+        command, writes, events = self._plan(state, ctx, ledger)
+        for before, after in writes:
+            yield io(
+                cp, "write_ledger", after, expect=(before.status, before.attempt), events=events
+            )
+            events = []  # the decision is logged with its first ledger change
+        yield io(cp, "append_records", events)
+        return command
 
     def invoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Ask, then apply the answer."""
-        ctx = run_context(config)
-        ledger = self._ledger(state, ctx.thread_id)
-        command, writes, events = self._plan(state, ctx, ledger)
-        for before, after in writes:
-            self.checkpointer.write_ledger(
-                after, expect=(before.status, before.attempt), events=events
-            )
-            events = []  # the decision is logged with its first ledger change
-        self.checkpointer.append_records(events)
-        return command
+        return run_steps(self._answered(state, config))
 
     async def ainvoke(self, state: dict[str, Any], config: RunnableConfig) -> Command[str]:
         """Async form of :meth:`invoke`."""
-        ctx = run_context(config)
-        ledger = await self._aledger(state, ctx.thread_id)
-        command, writes, events = self._plan(state, ctx, ledger)
-        for before, after in writes:
-            await self.checkpointer.awrite_ledger(
-                after, expect=(before.status, before.attempt), events=events
-            )
-            events = []
-        await self.checkpointer.aappend_records(events)
-        return command
+        return await arun_steps(self._answered(state, config))
 
 
 def _command(
