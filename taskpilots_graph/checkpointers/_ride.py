@@ -135,8 +135,13 @@ class PendingWrites(DelegatingSaver):
             return False
         check_thread_id(entry.thread_id)
         with self._deferred_lock():
-            # The records deferred for the thread ride first, as with a ledger write.
-            earlier = self._deferred().pop(entry.thread_id, [])
+            # The events deferred for the thread ride first, as with a ledger write. A model
+            # decision stays where readers of this process find it until it is durable.
+            deferred = self._deferred().pop(entry.thread_id, [])
+            decisions: list[PendingRecord] = [r for r in deferred if isinstance(r, DecisionRecord)]
+            if decisions:
+                self._deferred()[entry.thread_id] = decisions
+            earlier = [r for r in deferred if not isinstance(r, DecisionRecord)]
             commit = HeldCommit(entry, expect, (*earlier, *events), task_id)
             self._held_commits().setdefault(entry.thread_id, []).append(commit)
             self._commit_holding()[0] = True
