@@ -178,25 +178,36 @@ def test_the_intent_stays_where_it_is_needed(
     assert cp.decision(f"late-{form}", "", digest) is not None
 
 
+@pytest.mark.parametrize("durability", ["sync", "async"])
+@pytest.mark.parametrize("how", ENTRY_POINTS)
 @pytest.mark.parametrize("form", FORMS)
 def test_the_model_steps_events_ride_the_first_durable_write(
-    form: str, cp: tp.RecoveryCheckpointer, conn_string: str
+    form: str, how: str, durability: str, cp: tp.RecoveryCheckpointer, conn_string: str
 ) -> None:
     """The model's step writes nothing of its own on the way to a tool step: its events wait
     in memory for the thread's first durable write after it. For a keyed call that is the
     intent, so they are on disk before the effect; for an intent-free call, the commit,
-    which puts them before the call's own events."""
+    which puts them before the call's own events. The same command again charges nothing
+    and logs a second, complete run."""
     keyed = Desk(conn_string)
     tool = keyed.tool(key=lambda args: f"charge:{args['order']}")
-    _go(_agent(form, cp, tool), "run", f"ride-keyed-{form}", durability="sync")
+    thread_id = f"ride-{form.replace(' ', '-')}-{how}-{durability}"
+    _go(_agent(form, cp, tool), how, f"{thread_id}-keyed", durability=durability)
     assert keyed.events_stored[0][0] == "agent_started"
 
     free = Desk(conn_string)
-    _go(_agent(form, cp, free.tool()), "run", f"ride-free-{form}", durability="sync")
+    graph = _agent(form, cp, free.tool())
+    _go(graph, how, thread_id, durability=durability)
     assert free.events_stored == [[]]  # no write of the run before its effect
-    kinds = [e.kind for e in cp.events(f"ride-free-{form}")]
+    kinds = [e.kind for e in cp.events(thread_id)]
     assert kinds[0] is EventKind.AGENT_STARTED
     assert kinds.index(EventKind.TOOL_INVOKED) < kinds.index(EventKind.TOOL_SUCCEEDED)
+    assert kinds[-1] is EventKind.AGENT_FINISHED
+
+    _go(graph, how, thread_id, durability=durability)  # the same command, run twice
+    assert len(free.requests) == 1
+    kinds = [e.kind for e in cp.events(thread_id)]
+    assert kinds.count(EventKind.AGENT_STARTED) == kinds.count(EventKind.AGENT_FINISHED) == 2
     assert kinds[-1] is EventKind.AGENT_FINISHED
 
 
