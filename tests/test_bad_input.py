@@ -170,10 +170,12 @@ def test_read_only_file_opens_for_inspection(shared_dir: Path) -> None:
         before = _recorded(cp, "t")
     path.chmod(0o444)
     command = [sys.executable, "-c", _READ_ONLY_PROBE, f"sqlite:///{path}"]
-    if os.geteuid() == 0:  # root writes anyway: read as an unprivileged user
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv")
-        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    if os.geteuid() == 0:
+        # Root writes anyway, so the probe gives up the capabilities that override file
+        # modes. It stays root otherwise: another user could not enter a private checkout
+        # (mode 0700) to load the virtualenv.
+        caps = "-dac_override,-dac_read_search"
+        command = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *command]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
