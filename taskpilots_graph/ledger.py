@@ -51,7 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum, StrEnum
@@ -63,6 +63,7 @@ from taskpilots_graph.errors import ConfigurationError, TaskPilotsError
 __all__ = [
     "PAUSED",
     "RUNNER",
+    "UNDO_PREFIX",
     "CommittedEffect",
     "CompensationUncertain",
     "Done",
@@ -80,6 +81,7 @@ __all__ = [
     "next_step",
     "runner_of",
     "step_after_precheck",
+    "world_keys",
 ]
 
 
@@ -408,3 +410,37 @@ def default_key(
     """
     material = canonical_json([thread_id, checkpoint_ns, tool_call_id, tool, dict(args)])
     return f"{tool}:{hashlib.sha256(material.encode()).hexdigest()[:32]}"
+
+
+UNDO_PREFIX = "undo:"
+"""Key prefix of the ledger entry that undoes an effect: ``undo:<effect key>``."""
+
+
+def world_keys(entries: Iterable[LedgerEntry]) -> set[str]:
+    """The keys among ``entries`` that record the world rather than a conversation.
+
+    An entry under a business key (``side_effect(key=...)``) deduplicates across threads
+    and agents, so deleting the thread that wrote it must not let another thread perform
+    the same effect again; the undo of such an effect (``undo:<business key>``) says the
+    world was put back and stays with it. Entries under a default key are the thread's
+    own: no other call can ever compute their key.
+    """
+    entries = list(entries)
+    own = {
+        entry.key
+        for entry in entries
+        if entry.key
+        == default_key(
+            thread_id=entry.thread_id,
+            checkpoint_ns=entry.checkpoint_ns,
+            tool_call_id=entry.tool_call_id,
+            tool=entry.tool,
+            args=entry.args,
+        )
+    }
+    kept: set[str] = set()
+    for entry in entries:
+        effect = entry.key.removeprefix(UNDO_PREFIX)
+        if entry.key not in own and (effect == entry.key or effect not in own):
+            kept.add(entry.key)
+    return kept

@@ -550,3 +550,31 @@ def test_check_args_validates_as_invoke_does() -> None:
     with pytest.raises(ValidationError):
         check_args(label, {})
     check_args(Tool.from_function(func=str.upper, name="up", description="d"), {"q": "x"})
+
+
+# --- business keys outlive the thread that wrote them -----------------------------------------
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_deleting_a_thread_keeps_its_business_keys(cp: Any, courier: Courier, form: str) -> None:
+    """A parcel shipped under a business key by a deleted thread is not shipped again by
+    another thread; its default-key effects and the rest of its records are gone, and
+    ``forget_effects=True`` forgets the business key too."""
+    business = ship_tool(courier, key=lambda a: f"ship:{a['parcel']}")
+    ask(build(form, cp, [business], ClerkModel()), "t-1", "ship P-1 to Berlin")
+    ask(build(form, cp, [ship_tool(courier)], ClerkModel()), "t-1", "ship P-2 to Rome")
+    assert sorted(e.status for e in cp.ledger("t-1")) == [LedgerStatus.COMMITTED] * 2
+
+    cp.delete_thread("t-1")
+
+    (kept,) = cp.ledger()
+    assert (kept.key, kept.status) == ("ship:P-1", LedgerStatus.COMMITTED)
+    assert cp.events("t-1") == []
+    again = ask(build(form, cp, [business], ClerkModel()), "t-2", "ship P-1 to Berlin")
+    assert courier.bookings("P-1") == 1
+    assert again["messages"][-1].content == "success: TRK-P-1-1"
+
+    cp.delete_thread("t-1", forget_effects=True)
+    assert cp.ledger() == []
+    ask(build(form, cp, [business], ClerkModel()), "t-3", "ship P-1 to Berlin")
+    assert courier.bookings("P-1") == 2  # forgotten on request: the key no longer dedups

@@ -172,13 +172,19 @@ class RecoveryAPI(RecoveryRecords, ArtifactAccess):
 
     # -- whole threads -----------------------------------------------------------------------
 
-    def _delete_thread(self, thread_id: str) -> Steps[None]:
+    def _delete_thread(self, thread_id: str, *, forget_effects: bool = False) -> Steps[None]:
         """Delete the thread's checkpoints, writes, events, ledger entries, decisions and
-        artifacts."""
+        artifacts.
+
+        Ledger entries under a business key (``side_effect(key=...)``) and their undos stay:
+        they record the world, not the conversation, and keep another thread from
+        performing the same effect again. ``forget_effects=True`` deletes them too.
+        """
         # Checkpoints go first: a crash in between leaves an orphan log, never a thread that
         # could resume without the record of what it already did.
         yield io(self.inner, "delete_thread", thread_id)
-        yield io(self, "_call", "delete_thread", thread_id)  # its stored messages too
+        # Its stored messages too.
+        yield io(self, "_call", "delete_thread", thread_id, forget_effects=forget_effects)
         self.message_log.forget(thread_id)  # a new run of the id starts new sequences
         if self.artifact_store is not None:
             yield io(self, "_artifacts_call", "delete_artifacts", thread_id)

@@ -15,6 +15,7 @@ __all__ = [
     "ARTIFACTS",
     "COMPACT_EVENT",
     "CREATE_MIGRATIONS_TABLE",
+    "DELETE_LEDGER",
     "DELETE_THREAD",
     "INSERT_VERSION",
     "LEDGER",
@@ -181,12 +182,16 @@ def _delete_thread(param: str, *tables: str) -> tuple[str, ...]:
     return tuple(f"DELETE FROM taskpilots_{table} WHERE thread_id = {param}" for table in tables)
 
 
-# Statements that remove everything the recovery store holds for one thread (PostgreSQL's
-# event counter included).
-_THREAD_TABLES = ("ledger", "decisions", "artifacts", "message_refs", "message_seqs", "messages")
+# Statements that remove what the recovery store holds for one thread (PostgreSQL's event
+# counter included) but its ledger: ``DELETE_LEDGER`` removes the entries it may forget.
+_THREAD_TABLES = ("decisions", "artifacts", "message_refs", "message_seqs", "messages")
 DELETE_THREAD: Final[dict[Dialect, tuple[str, ...]]] = {
     "sqlite": _delete_thread("?", "events", *_THREAD_TABLES),
     "postgres": _delete_thread("%s", "events", "event_seq", *_THREAD_TABLES),
+}
+DELETE_LEDGER: Final[dict[Dialect, str]] = {
+    "sqlite": "DELETE FROM taskpilots_ledger WHERE key = ?",
+    "postgres": "DELETE FROM taskpilots_ledger WHERE key = %s",
 }
 
 # Event compaction rewrites the payload of an existing event in place; seq, kind, ts and the

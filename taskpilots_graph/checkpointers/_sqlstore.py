@@ -31,7 +31,7 @@ from taskpilots_graph.checkpointers.messages import LoadedRow
 from taskpilots_graph.compaction import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict, MigrationError
 from taskpilots_graph.events import Event
-from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus, world_keys
 
 __all__ = [
     "AsyncSqlQueries",
@@ -260,9 +260,15 @@ class SqlBodies:
         yield Stmt(sql.ARTIFACTS[self._dialect]["delete"], {"thread_id": thread_id})
 
     @writes
-    def _delete_thread(self, thread_id: str) -> Statements[None]:
+    def _delete_thread(self, thread_id: str, *, forget_effects: bool = False) -> Statements[None]:
         for statement in sql.DELETE_THREAD[self._dialect]:
             yield Stmt(statement, (thread_id,))
+        statement, params = ledger_list_sql(self._dialect, thread_id)
+        entries = [row_to_entry(row) for row in (yield Stmt(statement, params, "all"))]
+        kept = set() if forget_effects else world_keys(entries)
+        forgotten = [(entry.key,) for entry in entries if entry.key not in kept]
+        if forgotten:
+            yield Stmt(sql.DELETE_LEDGER[self._dialect], forgotten, many=True)
 
     @writes
     def _prune_checkpoints(self, thread_id: str, keep: Sequence[str]) -> Statements[int]:

@@ -134,8 +134,9 @@ class RecoveryStore(Protocol):
     def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
 
-    def delete_thread(self, thread_id: str) -> None:
-        """Remove everything stored for the thread."""
+    def delete_thread(self, thread_id: str, *, forget_effects: bool = False) -> None:
+        """Remove what is stored for the thread; entries under a business key stay unless
+        ``forget_effects``."""
 
     def ledger_get(self, key: str) -> LedgerEntry | None:
         """The entry recorded under ``key``, if any."""
@@ -207,8 +208,9 @@ class AsyncRecoveryStore(Protocol):
     async def events(self, thread_id: str, *, after_seq: int = 0) -> list[Event]:
         """The thread's events with ``seq > after_seq``, in order."""
 
-    async def delete_thread(self, thread_id: str) -> None:
-        """Remove everything stored for the thread."""
+    async def delete_thread(self, thread_id: str, *, forget_effects: bool = False) -> None:
+        """Remove what is stored for the thread; entries under a business key stay unless
+        ``forget_effects``."""
 
     async def ledger_get(self, key: str) -> LedgerEntry | None:
         """The entry recorded under ``key``, if any."""

@@ -18,7 +18,7 @@ from taskpilots_graph.checkpointers.messages import LoadedRow, MessageRows
 from taskpilots_graph.compaction import CompactionPolicy
 from taskpilots_graph.errors import LedgerConflict
 from taskpilots_graph.events import Event
-from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus
+from taskpilots_graph.ledger import CommittedEffect, LedgerEntry, LedgerStatus, world_keys
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 
@@ -60,10 +60,14 @@ class MemoryStore:
         with self._lock:
             return [e for e in self._events.get(thread_id, ()) if e.seq > after_seq]
 
-    def delete_thread(self, thread_id: str) -> None:
+    def delete_thread(self, thread_id: str, *, forget_effects: bool = False) -> None:
         with self._lock:
             self._events.pop(thread_id, None)
-            self._ledger = {k: e for k, e in self._ledger.items() if e.thread_id != thread_id}
+            own = [e for e in self._ledger.values() if e.thread_id == thread_id]
+            kept = set() if forget_effects else world_keys(own)
+            for entry in own:
+                if entry.key not in kept:
+                    del self._ledger[entry.key]
             self._decisions = {k: m for k, m in self._decisions.items() if k[0] != thread_id}
             self._decided_at = {k: t for k, t in self._decided_at.items() if k[0] != thread_id}
             self._drop_artifacts(thread_id)

@@ -291,8 +291,8 @@ def _sweep(
     ``older_than`` (seconds or a ``timedelta``), except those that must keep their history.
 
     Threads are listed as everywhere else (:mod:`taskpilots_graph._thread_index`). Deleting
-    a thread also forgets its ledger entries, so a business key it committed is no longer
-    recognised afterwards: choose the age accordingly.
+    a thread keeps its ledger entries under a business key (see ``delete_thread``), so a
+    business key it committed still deduplicates afterwards.
     """
     cutoff = _cutoff(older_than)
     refused: dict[str, str] = {}
